@@ -1,4 +1,4 @@
-"""Test helpers: tiny random-weight models with a locally trained tokenizer (no model hub needed)."""
+"""Test helpers: tiny random-weight models with a locally trained tokenizer (no hub needed)."""
 
 from vllm_selfspec.testing.tiny_models import (
     TINY_ARCHS,
