@@ -1,0 +1,444 @@
+"""The selfspec drafter: vLLM's ``custom_class`` proposer that drafts with the target model itself.
+
+vLLM builds it on every tensor-parallel rank (``create_custom_proposer(vllm_config)`` from the model
+runner's constructor), hands it the target model through :meth:`SelfSpecProposer.load_model`, and
+calls :meth:`SelfSpecProposer.propose` after each verification step with the accepted tokens.
+
+A draft round for the running requests is up to ``k`` one-token decode steps through the target's
+own modules with the profile's sub-layers skipped. Step ``j`` feeds each request's newest token at
+position ``p + j`` (``p`` = first position without K/V) and writes the K/V of the non-skipped
+attention layers into the target's own paged cache at that position. The next verification runs the
+full model over the same positions and overwrites those slots before any full-model read, so no
+extra KV page and no weight copy is needed. The scheduler reserves the lookahead slots (see
+:mod:`vllm_selfspec.patches`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllm_selfspec.config import SelfSpecSettings
+from vllm_selfspec.controller import ControllerConfig, DraftLengthController
+from vllm_selfspec.errors import SelfSpecConfigError
+from vllm_selfspec.patches import ADDITIONAL_CONFIG_KEY, patch_runner_input_fits_in_drafter
+from vllm_selfspec.skip_forward import LayerSkipForward
+
+logger = logging.getLogger("vllm.selfspec.proposer")
+
+_COST_SYNC_INTERVAL = 16  # steps between (TP-synchronised) cost updates of the controller
+_DRAFT_SEED = 0x5E1F5BEC
+
+
+def _find_model_runner() -> Any:
+    """The ``GPUModelRunner`` (or subclass) whose constructor is building us.
+
+    vLLM passes the custom proposer only ``vllm_config``; the runner, which owns the input batch,
+    block tables and attention builders, is the caller of ``create_custom_proposer``.
+    """
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    frame = inspect.currentframe()
+    while frame is not None:
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, GPUModelRunner):
+            return candidate
+        frame = frame.f_back
+    raise RuntimeError(
+        "SelfSpecProposer must be created by vLLM's model runner (V1 GPUModelRunner or a "
+        "subclass); use speculative_config={'method': 'selfspec', ...}"
+    )
+
+
+class SelfSpecProposer:
+    """Layer-skip self-drafting for vLLM's V1 model runner (``method="custom_class"``)."""
+
+    def __init__(self, vllm_config: Any) -> None:
+        raw = (vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY)
+        if raw is None:
+            raise SelfSpecConfigError(
+                "SelfSpecProposer got no selfspec settings: enable it with "
+                "speculative_config={'method': 'selfspec', ...} (the vllm-selfspec plugin must be "
+                "installed in every process)"
+            )
+        self.vllm_config = vllm_config
+        self.settings = SelfSpecSettings.from_dict(raw)
+        self.k_max = int(vllm_config.speculative_config.num_speculative_tokens)
+        self.max_model_len = int(vllm_config.model_config.max_model_len)
+        self.skip_attention = frozenset(self.settings.skip_attention)
+        self.skip_mlp = frozenset(self.settings.skip_mlp)
+        self.probabilistic = self.settings.draft_sampling == "probabilistic"
+
+        self.runner = _find_model_runner()
+        patch_runner_input_fits_in_drafter(self.runner)
+        self.device = self.runner.device
+        self.controller = DraftLengthController(
+            ControllerConfig(
+                k_max=self.k_max,
+                adaptive=self.settings.adaptive,
+                initial_threshold=self.settings.draft_confidence_threshold,
+                target_acceptance=self.settings.target_acceptance,
+            )
+        )
+        # Same seed on every TP rank: probabilistic drafts stay identical across ranks.
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(_DRAFT_SEED)
+
+        self._target: torch.nn.Module | None = None
+        self._forward: LayerSkipForward | None = None
+        self._tp_world_size, self._tp_rank = _tp_world()
+        self._last_propose_end: float | None = None
+        self._draft_cost_ema: float | None = None
+        self._step_cost_ema: float | None = None
+        self._steps_since_cost_sync = 0
+        self._next_log = time.monotonic() + _log_interval()
+        self._bad_override_warned: set[str] = set()
+        self.counters: dict[str, int] = {
+            "steps": 0,
+            "steps_with_drafts": 0,
+            "draft_forwards": 0,
+            "draft_tokens": 0,
+            "rows_considered": 0,
+            "rows_drafting": 0,
+            "rows_off": 0,
+            "steps_with_ragged_drafts": 0,
+            "kv_overflow_clips": 0,
+            "max_model_len_clips": 0,
+        }
+
+    # --- vLLM hooks -----------------------------------------------------------------------------
+
+    def load_model(self, target_model: torch.nn.Module) -> None:
+        # Never stored as ``self.model``: vLLM treats ``drafter.model`` as a separate draft model.
+        self._target = target_model
+        self._forward = LayerSkipForward(target_model)
+        for kind, indices in (("attention", self.skip_attention), ("MLP", self.skip_mlp)):
+            bad = sorted(i for i in indices if not 0 <= i < self._forward.num_layers)
+            if bad:
+                raise SelfSpecConfigError(
+                    f"skip_{kind.lower()} indices {bad} are out of range for a model with "
+                    f"{self._forward.num_layers} layers"
+                )
+        logger.info(
+            "selfspec drafter ready on TP rank %d: skipping attention %s and MLP %s of %d layers",
+            self._tp_rank,
+            sorted(self.skip_attention),
+            sorted(self.skip_mlp),
+            self._forward.num_layers,
+        )
+
+    @torch.inference_mode()
+    def propose(
+        self,
+        sampled_token_ids: list[list[int]],
+        num_tokens_no_spec: np.ndarray,
+        token_ids_cpu: np.ndarray,
+        slot_mappings: Any = None,
+    ) -> list[list[int]]:
+        start = time.perf_counter()
+        if self._last_propose_end is not None:
+            self._step_cost_ema = _ema(self._step_cost_ema, start - self._last_propose_end)
+        input_batch = self.runner.input_batch
+        req_ids = list(input_batch.req_ids)
+        drafts: list[list[int]] = [[] for _ in req_ids]
+
+        self._observe_verification(req_ids, sampled_token_ids)
+        rows, budgets = self._plan(req_ids, sampled_token_ids, num_tokens_no_spec)
+        self.counters["steps"] += 1
+        if rows:
+            self._draft(rows, budgets, req_ids, sampled_token_ids, num_tokens_no_spec, drafts)
+        self._update_costs(len(rows))
+        self._maybe_log()
+        self._last_propose_end = time.perf_counter()
+        return drafts
+
+    # --- per-step pieces --------------------------------------------------------------------------
+
+    def _observe_verification(self, req_ids: list[str], sampled: list[list[int]]) -> None:
+        spec_token_ids = self.runner.input_batch.spec_token_ids
+        for row, req_id in enumerate(req_ids):
+            if not sampled[row]:
+                continue
+            drafted = sum(1 for t in spec_token_ids[row] if t >= 0)
+            if drafted:
+                accepted = min(len(sampled[row]) - 1, drafted)
+                self.controller.observe_verification(req_id, drafted=drafted, accepted=accepted)
+        self.controller.retain(req_ids)
+
+    def _request_overrides(self, req_id: str) -> dict[str, Any] | None:
+        from vllm_selfspec.controller import validate_request_overrides
+
+        state = self.runner.requests.get(req_id)
+        params = getattr(state, "sampling_params", None)
+        extra = getattr(params, "extra_args", None) or {}
+        raw = extra.get("selfspec")
+        if raw is None:
+            return None
+        try:
+            return validate_request_overrides(raw, k_max=self.k_max)
+        except ValueError as exc:  # never fail a running request: draft with the defaults
+            if req_id not in self._bad_override_warned:
+                self._bad_override_warned.add(req_id)
+                logger.warning("request %s: ignoring extra_args['selfspec']: %s", req_id, exc)
+            return None
+
+    def _plan(
+        self, req_ids: list[str], sampled: list[list[int]], num_tokens_no_spec: np.ndarray
+    ) -> tuple[list[int], list[int]]:
+        candidates = [row for row, s in enumerate(sampled) if s]
+        if not candidates:
+            return [], []
+        cand_ids = [req_ids[row] for row in candidates]
+        overrides = {}
+        for req_id in cand_ids:
+            override = self._request_overrides(req_id)
+            if override:
+                overrides[req_id] = override
+        planned = self.controller.plan(cand_ids, overrides=overrides)
+        block_tables = self.runner.input_batch.block_table
+        num_groups = len(self.runner.attn_groups)
+        rows: list[int] = []
+        budgets: list[int] = []
+        self.counters["rows_considered"] += len(candidates)
+        for row, k in zip(candidates, planned):
+            if k <= 0:
+                self.counters["rows_off"] += 1
+                continue
+            num_tokens = int(num_tokens_no_spec[row])
+            position = num_tokens - 1  # the newest token: no K/V yet
+            # Verification of position + k must stay inside max_model_len.
+            room = self.max_model_len - num_tokens
+            if room < k:
+                self.counters["max_model_len_clips"] += 1
+                k = room
+            # Draft writes cover position .. position + k - 1: never past the allocated blocks.
+            for gid in range(num_groups):
+                table = block_tables[gid]
+                capacity = int(table.num_blocks_per_row[row]) * table.block_size
+                if position + k > capacity:
+                    self.counters["kv_overflow_clips"] += 1
+                    k = capacity - position
+            if k > 0:
+                rows.append(row)
+                budgets.append(k)
+        return rows, budgets
+
+    def _draft(
+        self,
+        rows: list[int],
+        budgets: list[int],
+        req_ids: list[str],
+        sampled: list[list[int]],
+        num_tokens_no_spec: np.ndarray,
+        drafts: list[list[int]],
+    ) -> None:
+        assert self._forward is not None and self._target is not None
+        input_batch = self.runner.input_batch
+        rows_np = np.asarray(rows, dtype=np.int64)
+        budgets_np = np.asarray(budgets, dtype=np.int64)
+        base_pos = num_tokens_no_spec[rows_np].astype(np.int64) - 1
+        tokens = np.asarray([sampled[row][-1] for row in rows], dtype=np.int64)
+        temperatures = input_batch.temperature_cpu[rows_np].astype(np.float32)
+        sample_mask = (temperatures > 0) if self.probabilistic else np.zeros(len(rows), bool)
+        alive = np.ones(len(rows), dtype=bool)
+        max_k = int(budgets_np.max())
+        probs_buffer = None
+        if sample_mask.any():
+            probs_buffer = torch.zeros(
+                (len(rows), max_k, self._vocab_size()), dtype=torch.float32, device=self.device
+            )
+        draft_start = time.perf_counter()
+        forwards = 0
+        for step in range(max_k):
+            active = np.nonzero(alive & (budgets_np > step))[0]
+            if active.size == 0:
+                break
+            positions = base_pos[active] + step
+            logits = self._draft_forward(rows_np[active], positions, tokens[active], step)
+            forwards += 1
+            next_tokens, confidence, probs = self._pick_tokens(
+                logits, temperatures[active], sample_mask[active]
+            )
+            next_np = next_tokens.cpu().numpy()
+            conf_np = confidence.cpu().numpy()
+            if probs_buffer is not None:
+                probs_buffer[torch.from_numpy(active).to(self.device), step] = probs
+            for i, local in enumerate(active):
+                row = rows[local]
+                drafts[row].append(int(next_np[i]))
+                if self.controller.should_stop(req_ids[row], float(conf_np[i])):
+                    alive[local] = False
+            tokens[active] = next_np
+        self._draft_cost_ema = _ema(
+            self._draft_cost_ema, (time.perf_counter() - draft_start) / max(forwards, 1)
+        )
+        if probs_buffer is not None:
+            self.runner._draft_probs = probs_buffer
+            self.runner._draft_prob_req_ids = [req_ids[row] for row in rows]
+        lengths = {len(drafts[row]) for row in rows}
+        self.counters["steps_with_drafts"] += 1
+        self.counters["draft_forwards"] += forwards
+        self.counters["rows_drafting"] += len(rows)
+        self.counters["draft_tokens"] += sum(len(drafts[row]) for row in rows)
+        if len(lengths) > 1:
+            self.counters["steps_with_ragged_drafts"] += 1
+
+    def _vocab_size(self) -> int:
+        return int(self.vllm_config.model_config.get_vocab_size())
+
+    def _draft_forward(
+        self, rows: np.ndarray, positions: np.ndarray, tokens: np.ndarray, step: int
+    ) -> torch.Tensor:
+        """One draft decode step for ``rows``; returns their logits ``[len(rows), vocab]``."""
+        from vllm.forward_context import set_forward_context
+        from vllm.v1.attention.backend import CommonAttentionMetadata
+
+        runner = self.runner
+        device = self.device
+        num = len(rows)
+        rows_t = torch.from_numpy(rows).to(device)
+        positions_t = torch.from_numpy(positions).to(device)
+        input_ids = torch.from_numpy(tokens).to(device)
+        seq_lens_cpu = torch.from_numpy((positions + 1).astype(np.int32))
+        query_start_cpu = torch.arange(num + 1, dtype=torch.int32)
+        query_start = query_start_cpu.to(device)
+        seq_lens = seq_lens_cpu.to(device)
+        max_seq_len = int(positions.max()) + 1
+        num_reqs = len(runner.input_batch.req_ids)
+
+        attn_metadata: dict[str, Any] = {}
+        slot_by_layer: dict[str, torch.Tensor] = {}
+        for gid, groups in enumerate(runner.attn_groups):
+            table = runner.input_batch.block_table[gid]
+            block_size = table.block_size
+            block_ids = table.get_numpy_array()[rows, positions // block_size].astype(np.int64)
+            slots = torch.from_numpy(block_ids * block_size + positions % block_size).to(device)
+            common = CommonAttentionMetadata(
+                query_start_loc=query_start,
+                query_start_loc_cpu=query_start_cpu,
+                seq_lens=seq_lens,
+                seq_lens_cpu_upper_bound=seq_lens_cpu,
+                num_reqs=num,
+                num_actual_tokens=num,
+                max_query_len=1,
+                max_seq_len=max_seq_len,
+                block_table_tensor=table.get_device_tensor(num_reqs)[rows_t],
+                slot_mapping=slots,
+                causal=True,
+                positions=positions_t,
+            )
+            for group in groups:
+                metadata = group.build_metadata_for_drafting(common, step)
+                for layer_name in group.layer_names:
+                    attn_metadata[layer_name] = metadata
+                    slot_by_layer[layer_name] = slots
+        with set_forward_context(
+            attn_metadata, self.vllm_config, num_tokens=num, slot_mapping=slot_by_layer
+        ):
+            hidden = self._forward(input_ids, positions_t, self.skip_attention, self.skip_mlp)
+        return self._target.compute_logits(hidden)
+
+    def _pick_tokens(
+        self, logits: torch.Tensor, temperatures: np.ndarray, sample_mask: np.ndarray
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Draft tokens, their draft probability (confidence), and the draft distributions.
+
+        Greedy rows (and all rows with ``draft_sampling="argmax"``) take the argmax. Rows with
+        temperature > 0 sample from ``q = softmax(logits / T)``; vLLM's rejection sampler then gets
+        ``q`` and keeps the output distribution exactly the target's.
+        """
+        logits = logits.float()
+        if not sample_mask.any():
+            probs = torch.softmax(logits, dim=-1)
+            confidence, tokens = probs.max(dim=-1)
+            return tokens, confidence, None
+        temps = torch.from_numpy(np.where(sample_mask, temperatures, 1.0)).to(logits.device)
+        probs = torch.softmax(logits / temps.unsqueeze(-1), dim=-1)
+        greedy_tokens = probs.argmax(dim=-1)
+        # Exponential-race sampling: argmax(q / E) with E ~ Exp(1) draws from q.
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        sampled_tokens = (probs / noise).argmax(dim=-1)
+        mask_t = torch.from_numpy(sample_mask).to(logits.device)
+        tokens = torch.where(mask_t, sampled_tokens, greedy_tokens)
+        # Greedy rows are drafted deterministically: their "distribution" is one-hot.
+        one_hot = torch.zeros_like(probs).scatter_(1, greedy_tokens.unsqueeze(1), 1.0)
+        draft_probs = torch.where(mask_t.unsqueeze(1), probs, one_hot)
+        confidence = probs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        return tokens, confidence, draft_probs
+
+    # --- costs, logging, introspection -----------------------------------------------------------
+
+    def _update_costs(self, num_drafting_rows: int) -> None:
+        self._steps_since_cost_sync += 1
+        if self._steps_since_cost_sync < _COST_SYNC_INTERVAL:
+            return
+        self._steps_since_cost_sync = 0
+        if self._draft_cost_ema is None or self._step_cost_ema is None:
+            return
+        draft_cost, step_cost = self._draft_cost_ema, self._step_cost_ema
+        if self._tp_world_size > 1:  # every rank must take the same decisions
+            from vllm.distributed import get_tp_group
+
+            costs = torch.tensor([draft_cost, step_cost], dtype=torch.float64, device=self.device)
+            costs = get_tp_group().broadcast(costs, src=0)
+            draft_cost, step_cost = (float(x) for x in costs.cpu())
+        self.controller.observe_step_costs(
+            batch_size=max(num_drafting_rows, 1),
+            draft_step_s=draft_cost,
+            verify_step_s=step_cost,
+        )
+
+    def _maybe_log(self) -> None:
+        now = time.monotonic()
+        if now < self._next_log:
+            return
+        self._next_log = now + _log_interval()
+        if self._tp_rank != 0:
+            return
+        stats = self.controller.stats()
+        self.controller.reset_stats_window()
+        logger.info("selfspec: %s", ", ".join(f"{k}={_fmt(v)}" for k, v in stats.items()))
+
+    def stats(self) -> dict[str, Any]:
+        """Counters and controller state (read by tests and the worker extension)."""
+        return {
+            **self.counters,
+            "controller": self.controller.stats(),
+            "draft_cost_s": self._draft_cost_ema,
+            "step_cost_s": self._step_cost_ema,
+            "skip_attention": sorted(self.skip_attention),
+            "skip_mlp": sorted(self.skip_mlp),
+            "k_max": self.k_max,
+        }
+
+
+def _ema(previous: float | None, value: float, weight: float = 0.1) -> float:
+    return value if previous is None else (1 - weight) * previous + weight * value
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:.3g}" if isinstance(value, float) else str(value)
+
+
+def _log_interval() -> float:
+    try:
+        import vllm.envs as envs
+
+        return float(envs.VLLM_LOG_STATS_INTERVAL)
+    except Exception:  # pragma: no cover - older/newer vLLM
+        return 10.0
+
+
+def _tp_world() -> tuple[int, int]:
+    try:
+        from vllm.distributed import get_tp_group
+
+        group = get_tp_group()
+        return group.world_size, group.rank_in_group
+    except Exception:  # not initialised (unit tests)
+        return 1, 0
