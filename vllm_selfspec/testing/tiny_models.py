@@ -414,6 +414,11 @@ def tiny_model_dir(name: str = "tiny", **kw: Any) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{safe_name}-", dir=root))
     try:
         build_tiny_model(tmp, **kw)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp made it 0700
+        for f in tmp.iterdir():
+            os.chmod(f, 0o666 & ~umask)
         try:
             os.rename(tmp, final)
         except OSError:
