@@ -1,0 +1,107 @@
+"""The plugin's patches to vLLM: entry point, version check, idempotence, no effect on other engines."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from vllm_selfspec import patches
+
+
+def test_entry_point_is_registered():
+    eps = importlib.metadata.entry_points(group="vllm.general_plugins")
+    assert any(ep.value == "vllm_selfspec:register" for ep in eps), list(eps)
+
+
+def test_vllm_loads_the_plugin_without_any_import():
+    # A fresh interpreter that never imports vllm_selfspec: vLLM's plugin loader installs the patches.
+    code = (
+        "from vllm.plugins import load_general_plugins\n"
+        "load_general_plugins()\n"
+        "from vllm.engine.arg_utils import EngineArgs\n"
+        "print(getattr(EngineArgs.create_speculative_config, '_vllm_selfspec_patched', False))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "True"
+
+
+@pytest.mark.parametrize(
+    "version,ok", [("0.32.0", True), ("0.33.1", True), ("0.32.0.dev3", True), ("0.31.2", False),
+                   ("0.34.0", False), ("1.0.0", False)]
+)
+def test_version_check(version, ok):
+    problem = patches.check_vllm_version(version)
+    assert (problem is None) == ok
+    if not ok:
+        assert version in problem and ">=0.32" in problem
+
+
+def test_patches_are_idempotent():
+    from vllm.config import VllmConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    patches.apply_patches()
+    first = (EngineArgs.create_speculative_config, VllmConfig.num_lookahead_tokens)
+    patches._applied = False  # force a second installation attempt
+    patches.apply_patches()
+    assert (EngineArgs.create_speculative_config, VllmConfig.num_lookahead_tokens) == first
+    # never wrapped twice
+    assert not getattr(
+        EngineArgs.create_speculative_config.__wrapped__, "_vllm_selfspec_patched", False
+    )
+
+
+class _FakeSpec:
+    def __init__(self, method, model, k):
+        self.method, self.model, self.num_speculative_tokens = method, model, k
+
+
+class _FakeVllmConfig:
+    def __init__(self, spec):
+        self.speculative_config = spec
+
+
+def test_lookahead_for_selfspec_only():
+    from vllm.config import VllmConfig
+
+    patches.apply_patches()
+    prop = VllmConfig.num_lookahead_tokens
+    ours = _FakeVllmConfig(_FakeSpec("custom_class", patches.PROPOSER_PATH, 6))
+    assert prop.fget(ours) == 6
+    # somebody else's custom proposer keeps vLLM's answer (0)
+    other = _FakeVllmConfig(_FakeSpec("custom_class", "my.pkg.Proposer", 6))
+    other.speculative_config.use_dflash = lambda: False
+    other.speculative_config.use_dspark = lambda: False
+    other.speculative_config.use_eagle = lambda: False
+    other.speculative_config.uses_draft_model = lambda: False
+    assert prop.fget(other) == 0
+    assert prop.fget(_FakeVllmConfig(None)) == 0
+
+
+@pytest.mark.skipif(not patches.cpu_expand_bug_present(), reason="only on vLLM's CPU build")
+def test_cpu_expand_workaround_fixes_float_expansion():
+    import vllm.v1.sample.rejection_sampler as rs
+    from vllm.platforms import current_platform
+
+    current_platform.register_triton_kernel_overrides()  # what a CPU worker does at start
+    patches.apply_patches()
+    temperatures = torch.tensor([0.7, 0.7, 1.3, 1.3, 1.3], dtype=torch.float32)
+    cu = torch.tensor([2, 5, 6, 6, 9], dtype=torch.int32)
+    counts = torch.diff(cu.long(), prepend=torch.zeros(1, dtype=torch.long))
+    expected = torch.repeat_interleave(temperatures, counts)
+    fixed = rs.expand_batch_to_tokens(temperatures, cu, 9)
+    assert torch.equal(fixed, expected)
+    # The unpatched vLLM function returns garbage for float32: the workaround is needed.
+    broken = rs.expand_batch_to_tokens.__wrapped__(temperatures, cu, 9)
+    assert not torch.equal(broken, expected)
+    # replace_from/replace_to and int64 inputs keep vLLM's semantics
+    top_k = torch.tensor([0, 5, 0, 7, 9], dtype=torch.int32)
+    got = rs.expand_batch_to_tokens(top_k, cu, 9, replace_from=0, replace_to=576)
+    assert got.tolist() == [576, 576, 5, 5, 5, 576, 9, 9, 9]
+    as_int64 = rs.expand_batch_to_tokens(top_k.long(), cu, 9, replace_from=0, replace_to=576)
+    assert as_int64.tolist() == got.tolist()
