@@ -14,6 +14,9 @@ Defaults: hidden 128, 4 heads -> head_dim 32 (vLLM's CPU attention supports head
 distribution, so greedy outputs would be near-ties); with 0.2 the greedy top-1 probability is
 typically far above uniform.
 
+Biases (qwen2's q/k/v) are random N(0, initializer_range) and RMSNorm weights N(1, 0.1) rather
+than transformers' 0 / 1, so that weight-loading bugs for them are visible.
+
 ``zero_output_layers`` zeroes ``self_attn.o_proj`` and ``mlp.down_proj`` of those layers, so the
 layers add nothing to the residual stream: skipping them is exact.
 """
@@ -41,7 +44,7 @@ TINY_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 CPU_ATTN_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 # bump when the output of build_tiny_model changes for the same arguments (invalidates caches)
-BUILDER_VERSION = 1
+BUILDER_VERSION = 2
 
 TOKENIZER_VOCAB_SIZE = 512
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
@@ -343,6 +346,13 @@ def build_tiny_model(
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.eval()
     with torch.no_grad():
+        # transformers initialises biases to 0 and norm weights to 1: randomise them too, so that
+        # loading bugs for those tensors (qwen2 qkv biases, qwen3 q/k norms, final norm) show up
+        for pname, param in model.named_parameters():
+            if pname.endswith("norm.weight"):
+                param.normal_(1.0, 0.1)
+            elif pname.endswith(".bias"):
+                param.normal_(0.0, initializer_range)
         layers = model.model.layers
         for i in zero_output_layers:
             for proj in (layers[i].self_attn.o_proj, layers[i].mlp.down_proj):
