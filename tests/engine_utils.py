@@ -53,7 +53,11 @@ def spec_metrics(llm: Any) -> dict[str, Any]:
         if hasattr(metric, "values"):
             previous = found.get(name)
             values = list(metric.values)
-            found[name] = values if previous is None else [a + b for a, b in zip(previous, values)]
+            found[name] = (
+                values
+                if previous is None
+                else [a + b for a, b in zip(previous, values, strict=True)]
+            )
         else:
             found[name] = found.get(name, 0) + metric.value
     return found

@@ -1,4 +1,4 @@
-"""Greedy selfspec decoding is token-identical to plain vLLM decoding of the same model (CPU engine).
+"""Greedy selfspec decoding is token-identical to plain vLLM decoding of the same model (CPU).
 
 One plain engine computes the reference; then one selfspec engine per configuration (several skip
 sets, K in {1, 4, 8}, adaptive on and off) runs the same workloads: batch 8 and batch 1, prompts of
@@ -62,7 +62,7 @@ def workloads(model_dir):
     def greedy(n: int, **kw) -> SamplingParams:
         return SamplingParams(temperature=0.0, max_tokens=n, **kw)
 
-    batch8 = [(p, greedy(n)) for p, n in zip(prompts, max_tokens)]
+    batch8 = [(p, greedy(n)) for p, n in zip(prompts, max_tokens, strict=True)]
     # requests that end early: a stop string, a stop token id, a tiny max_tokens
     early = [
         (prompts[0], greedy(40, stop=["e"])),
@@ -80,10 +80,16 @@ def workloads(model_dir):
     caps = [1, 4, 8, 0, 1, 4, 8, 2]
     ragged = [
         (p, greedy(n, extra_args={"selfspec": {"num_speculative_tokens": c}}))
-        for p, n, c in zip(prompts, max_tokens, caps)
+        for p, n, c in zip(prompts, max_tokens, caps, strict=True)
     ]
     mixed = batch8 + early + long_prompts
-    return {"batch8": batch8, "early": early, "long": long_prompts, "ragged": ragged, "mixed": mixed}
+    return {
+        "batch8": batch8,
+        "early": early,
+        "long": long_prompts,
+        "ragged": ragged,
+        "mixed": mixed,
+    }
 
 
 def _run(llm, workload):

@@ -1,4 +1,4 @@
-"""The plugin's patches to vLLM: entry point, version check, idempotence, no effect on other engines."""
+"""The plugin's patches to vLLM: entry point, version check, idempotence, no effect elsewhere."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def test_entry_point_is_registered():
 
 
 def test_vllm_loads_the_plugin_without_any_import():
-    # A fresh interpreter that never imports vllm_selfspec: vLLM's plugin loader installs the patches.
+    # A fresh interpreter that never imports vllm_selfspec: vLLM's plugin loader patches.
     code = (
         "from vllm.plugins import load_general_plugins\n"
         "load_general_plugins()\n"
@@ -31,8 +31,15 @@ def test_vllm_loads_the_plugin_without_any_import():
 
 
 @pytest.mark.parametrize(
-    "version,ok", [("0.32.0", True), ("0.33.1", True), ("0.32.0.dev3", True), ("0.31.2", False),
-                   ("0.34.0", False), ("1.0.0", False)]
+    "version,ok",
+    [
+        ("0.32.0", True),
+        ("0.33.1", True),
+        ("0.32.0.dev3", True),
+        ("0.31.2", False),
+        ("0.34.0", False),
+        ("1.0.0", False),
+    ],
 )
 def test_version_check(version, ok):
     problem = patches.check_vllm_version(version)

@@ -19,7 +19,7 @@ logger = logging.getLogger("vllm.selfspec.engine_config")
 _REFUSED_VLLM_KEYS = {
     "model": "selfspec drafts with the served model itself; do not set 'model'",
     "quantization": "selfspec shares the target's weights; do not set 'quantization'",
-    "draft_tensor_parallel_size": "the selfspec drafter always uses the target's tensor parallelism",
+    "draft_tensor_parallel_size": "the selfspec drafter uses the target's tensor parallelism",
     "revision": "selfspec has no separate draft model; do not set 'revision'",
 }
 

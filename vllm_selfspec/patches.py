@@ -5,24 +5,25 @@ installed only when the installed vLLM lies in :data:`SUPPORTED_VLLM`. None of t
 behaviour of an engine that did not ask for ``"method": "selfspec"``.
 
 1. ``EngineArgs.create_speculative_config``: the user contract is
-   ``{"method": "selfspec", ...selfspec keys...}``. vLLM's ``SpeculativeConfig`` knows no such method
-   and forbids unknown keys, so the wrapper validates the selfspec keys against the served model (clear
-   errors at engine start), rewrites the method into vLLM's ``custom_class`` proposer hook pointing at
-   :class:`vllm_selfspec.proposer.SelfSpecProposer`, and ships the resolved settings inside
-   ``VllmConfig.additional_config["selfspec"]``: that object travels with the config to every worker
-   (multiprocessing and Ray), and two engines in one process each carry their own.
+   ``{"method": "selfspec", ...selfspec keys...}``. vLLM's ``SpeculativeConfig`` knows no such
+   method and forbids unknown keys, so the wrapper validates the selfspec keys against the served
+   model (clear errors at engine start), rewrites the method into vLLM's ``custom_class`` proposer
+   hook pointing at :class:`vllm_selfspec.proposer.SelfSpecProposer`, and ships the resolved
+   settings inside ``VllmConfig.additional_config["selfspec"]``: that object travels with the
+   config to every worker (multiprocessing and Ray), and two engines in one process each carry
+   their own.
 2. ``VllmConfig.num_lookahead_tokens``: vLLM reserves lookahead KV slots only for EAGLE-style
    drafters. Our draft steps write K/V up to ``k`` positions past the verified tokens, so the
    scheduler must reserve ``k`` lookahead slots for us too.
 3. ``rejection_sampler.expand_batch_to_tokens`` (vLLM CPU build without Triton only): the C++
    ``expand_kernel_impl`` fills an int64 *copy* of a float32/int32 output and the function returns
-   uninitialised memory, so rejection sampling at temperature > 0 uses garbage temperatures / top-k /
-   top-p for every speculative method. The wrapper computes the expansion with PyTorch for those
-   dtypes and delegates otherwise.
+   uninitialised memory, so rejection sampling at temperature > 0 uses garbage temperatures /
+   top-k / top-p for every speculative method. The wrapper computes the expansion with PyTorch for
+   those dtypes and delegates otherwise.
 4. ``GPUModelRunner._input_fits_in_drafter`` (per runner instance, selfspec runners only): vLLM
    switches drafting off for the *whole batch* as soon as one request is within ``k`` tokens of
-   ``max_model_len``. Our proposer clips each request's draft length itself, so it keeps drafting for
-   the others.
+   ``max_model_len``. Our proposer clips each request's draft length itself, so it keeps drafting
+   for the others.
 """
 
 from __future__ import annotations

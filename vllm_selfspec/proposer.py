@@ -205,7 +205,7 @@ class SelfSpecProposer:
         rows: list[int] = []
         budgets: list[int] = []
         self.counters["rows_considered"] += len(candidates)
-        for row, k in zip(candidates, planned):
+        for row, k in zip(candidates, planned, strict=True):
             if k <= 0:
                 self.counters["rows_off"] += 1
                 continue

@@ -19,8 +19,12 @@ from torch import nn
 
 from vllm_selfspec.errors import SelfSpecConfigError
 
-_DECODER_LAYER_CLASSES = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer",
-                          "Qwen3DecoderLayer")
+_DECODER_LAYER_CLASSES = (
+    "LlamaDecoderLayer",
+    "MistralDecoderLayer",
+    "Qwen2DecoderLayer",
+    "Qwen3DecoderLayer",
+)
 _LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 
 
@@ -69,7 +73,7 @@ class LayerSkipForward:
         skip_attention: Collection[int],
         skip_mlp: Collection[int],
     ) -> torch.Tensor:
-        """Final-norm hidden states for ``input_ids`` at ``positions`` (call under a forward context)."""
+        """Final-norm hidden states for ``input_ids`` at ``positions`` (under a forward context)."""
         hidden = self.stack.embed_input_ids(input_ids)
         residual: torch.Tensor | None = None
         layers = self.stack.layers

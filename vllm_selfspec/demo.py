@@ -1,0 +1,167 @@
+"""The main demo: plain vLLM decoding vs selfspec on the embedded model, side by side.
+
+    python -m vllm_selfspec.demo    # SmolLM2-135M-Instruct, real MT-bench + HumanEval prompts
+
+It runs the same greedy requests through a plain vLLM engine and a selfspec engine of the same
+model (fp32, so greedy outputs are comparable token for token), then prints tokens/s of both, the
+ratio, vLLM's own acceptance metrics and how many outputs were identical. Options choose another
+model folder, the speculative config, prompt count and length, and a model with known redundancy
+(``--insert-zero-layers N``: N layers with zero output projections are inserted and skipped, so
+acceptance is 1.0 and the speedup is what the implementation makes of a free draft).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class RunResult:
+    outputs: list[list[int]]
+    tokens_per_s: list[float]
+    acceptance: float | None = None
+    mean_accepted_length: float | None = None
+    drafts: int = 0
+
+
+def _metrics(llm: Any) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for metric in llm.get_metrics():
+        if metric.name.startswith("vllm:spec_decode_") and hasattr(metric, "value"):
+            out[metric.name.removeprefix("vllm:spec_decode_")] = metric.value
+    return out
+
+
+def run_engine(
+    model: str, prompts: list[str], max_tokens: int, repeats: int, spec: dict | None, batch: int
+) -> RunResult:
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(
+        model=model,
+        dtype="float32",
+        max_model_len=2048,
+        kv_cache_memory_bytes=1 << 30,
+        disable_log_stats=False,
+        speculative_config=spec,
+        seed=0,
+    )
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=False)
+        llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+        before = _metrics(llm)
+        speeds: list[float] = []
+        outputs: list[list[int]] = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            results = []
+            for i in range(0, len(prompts), batch):
+                results += llm.generate(prompts[i : i + batch], params, use_tqdm=False)
+            elapsed = time.perf_counter() - start
+            outputs = [list(r.outputs[0].token_ids) for r in results]
+            speeds.append(sum(len(o) for o in outputs) / elapsed)
+        after = _metrics(llm)
+        result = RunResult(outputs=outputs, tokens_per_s=speeds)
+        drafted = after.get("num_draft_tokens", 0) - before.get("num_draft_tokens", 0)
+        if spec is not None and drafted > 0:
+            accepted = after["num_accepted_tokens"] - before.get("num_accepted_tokens", 0)
+            drafts = after["num_drafts"] - before.get("num_drafts", 0)
+            result.acceptance = accepted / drafted
+            result.mean_accepted_length = 1 + accepted / drafts
+            result.drafts = int(drafts)
+        return result
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", help="HF model folder (default: the embedded SmolLM2-135M)")
+    parser.add_argument(
+        "--speculative-config",
+        default='{"method": "selfspec", "num_speculative_tokens": 4}',
+        help="selfspec speculative config JSON (as for vllm serve)",
+    )
+    parser.add_argument("--num-prompts", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=2, help="timed passes per engine")
+    parser.add_argument(
+        "--insert-zero-layers",
+        type=int,
+        default=0,
+        metavar="N",
+        help="insert N zero-output layers into the model and skip exactly those",
+    )
+    args = parser.parse_args(argv)
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+    from transformers import AutoTokenizer
+
+    from vllm_selfspec import assets
+
+    model = args.model or str(assets.smollm2_dir())
+    spec = json.loads(args.speculative_config)
+    if args.insert_zero_layers:
+        model, zero = _with_zero_layers(model, args.insert_zero_layers)
+        spec.update({"skip_attention": zero, "skip_mlp": zero})
+        spec.pop("profile", None)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    half = max(1, args.num_prompts // 2)
+    texts = assets.load_prompts("mtbench", half) + assets.load_prompts(
+        "humaneval", args.num_prompts - half
+    )
+    prompts = assets.chat_prompts(tokenizer, texts)
+
+    print(
+        f"model: {model}\nprompts: {len(prompts)} real prompts (MT-bench + HumanEval), "
+        f"{args.max_tokens} greedy tokens each, batch size {args.batch_size}",
+        flush=True,
+    )
+    print("running plain vLLM decoding ...", flush=True)
+    plain = run_engine(model, prompts, args.max_tokens, args.repeats, None, args.batch_size)
+    print(f"running selfspec {json.dumps(spec)} ...", flush=True)
+    fast = run_engine(model, prompts, args.max_tokens, args.repeats, spec, args.batch_size)
+
+    identical = sum(a == b for a, b in zip(plain.outputs, fast.outputs, strict=True))
+    plain_tps = statistics.median(plain.tokens_per_s)
+    fast_tps = statistics.median(fast.tokens_per_s)
+    print()
+    print(f"plain vLLM decoding : {plain_tps:8.1f} tokens/s")
+    print(f"selfspec            : {fast_tps:8.1f} tokens/s")
+    print(f"speedup             : {fast_tps / plain_tps:8.2f}x")
+    if fast.acceptance is None:
+        print("acceptance rate     :      n/a (the controller drafted nothing)")
+    else:
+        print(f"acceptance rate     : {fast.acceptance:8.2f}")
+        print(f"mean accepted length: {fast.mean_accepted_length:8.2f} tokens per verification")
+    print(f"outputs identical   : {identical}/{len(prompts)}")
+    return 0 if identical == len(prompts) else 1
+
+
+def _with_zero_layers(model: str, count: int) -> tuple[str, list[int]]:
+    import json as _json
+    from pathlib import Path
+
+    from vllm_selfspec import assets
+
+    layers = _json.loads((Path(model) / "config.json").read_text())["num_hidden_layers"]
+    positions = [round((i + 1) * layers / (count + 1)) for i in range(count)]
+    out = assets.cache_root() / "models" / f"{Path(model).name}-zero{count}"
+    marker = out / "zero_layers.json"
+    if marker.is_file():
+        return str(out), _json.loads(marker.read_text())
+    zero = assets.insert_zero_layers(model, out, positions)
+    marker.write_text(_json.dumps(zero))
+    return str(out), zero
+
+
+if __name__ == "__main__":
+    sys.exit(main())
