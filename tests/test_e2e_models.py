@@ -1,0 +1,117 @@
+"""Decoder families (Qwen2, Qwen3), the known-redundancy model, two engines in one process, TP=2."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.engine_utils import MetricsWindow, drafter_stats, engine, env, token_ids
+
+pytestmark = pytest.mark.engine
+
+PROMPTS = [[5, 77, 301, 12], [9, 8, 7, 6, 5, 4, 3, 2, 1, 400, 401], [33] * 20, [100, 200, 300]]
+
+
+def _greedy(llm, max_tokens=40):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in PROMPTS]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    return token_ids(llm.generate(prompts, params, use_tqdm=False))
+
+
+def _tiny(name, **kw):
+    from vllm_selfspec.testing.tiny_models import tiny_model_dir
+
+    return tiny_model_dir(name, **kw)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_family_greedy_identical(arch):
+    model_dir = _tiny(f"e2e-{arch}", arch=arch, num_layers=6)
+    with engine(model_dir) as llm:
+        reference = _greedy(llm)
+    spec = {
+        "method": "selfspec",
+        "skip_attention": [2, 4],
+        "skip_mlp": [3],
+        "num_speculative_tokens": 4,
+        "adaptive": False,
+    }
+    with engine(model_dir, spec) as llm:
+        window = MetricsWindow(llm)
+        assert _greedy(llm) == reference
+        assert window.delta()["num_draft_tokens"] > 0
+
+
+def test_zero_output_layers_are_free_to_skip():
+    """Layers whose o_proj/down_proj are zero add nothing: skipping exactly them accepts all."""
+    zero = [2, 5]
+    model_dir = _tiny("e2e-zero", arch="llama", num_layers=8, zero_output_layers=zero)
+    with engine(model_dir) as llm:
+        reference = _greedy(llm)
+    spec = {
+        "method": "selfspec",
+        "skip_attention": zero,
+        "skip_mlp": zero,
+        "num_speculative_tokens": 6,
+        "adaptive": False,
+    }
+    with engine(model_dir, spec) as llm:
+        window = MetricsWindow(llm)
+        assert _greedy(llm) == reference
+        assert window.acceptance() == 1.0
+        # ... while skipping a real layer of the same model does reject drafts
+    spec_bad = {**spec, "skip_attention": [3], "skip_mlp": [4]}
+    with engine(model_dir, spec_bad) as llm:
+        window = MetricsWindow(llm)
+        assert _greedy(llm) == reference
+        assert window.acceptance() < 1.0
+
+
+def test_two_engines_in_one_process_do_not_interfere():
+    model_dir = _tiny("e2e-qwen2", arch="qwen2", num_layers=6)
+    with engine(model_dir) as llm:
+        reference = _greedy(llm)
+    a = {
+        "method": "selfspec",
+        "skip_attention": [1],
+        "num_speculative_tokens": 3,
+        "adaptive": False,
+    }
+    b = {
+        "method": "selfspec",
+        "skip_attention": [2, 3],
+        "skip_mlp": [4],
+        "num_speculative_tokens": 5,
+        "adaptive": False,
+    }
+    with engine(model_dir, a) as llm_a, engine(model_dir, b) as llm_b:
+        assert _greedy(llm_a) == reference
+        assert _greedy(llm_b) == reference
+        stats_a, stats_b = drafter_stats(llm_a)[0], drafter_stats(llm_b)[0]
+    assert (stats_a["skip_attention"], stats_a["skip_mlp"], stats_a["k_max"]) == ([1], [], 3)
+    assert (stats_b["skip_attention"], stats_b["skip_mlp"], stats_b["k_max"]) == ([2, 3], [4], 5)
+
+
+def test_tensor_parallel_2_matches_tp1():
+    model_dir = _tiny("e2e-llama", arch="llama", num_layers=8)
+    with engine(model_dir) as llm:
+        reference = _greedy(llm)
+    spec = {
+        "method": "selfspec",
+        "skip_attention": [3, 5],
+        "skip_mlp": [6],
+        "num_speculative_tokens": 4,
+    }
+    # One core per rank (see docs/cpu-platform notes): vLLM's CPU TP needs explicit binding here.
+    with (
+        env(VLLM_CPU_OMP_THREADS_BIND="0|1"),
+        engine(model_dir, spec, tensor_parallel_size=2, distributed_executor_backend="mp") as llm,
+    ):
+        assert _greedy(llm) == reference
+        ranks = drafter_stats(llm)
+    assert len(ranks) == 2
+    lockstep = ("steps", "draft_forwards", "draft_tokens", "rows_drafting")
+    assert [ranks[0][k] for k in lockstep] == [ranks[1][k] for k in lockstep]
+    assert ranks[0]["draft_forwards"] > 0
