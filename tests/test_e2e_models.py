@@ -115,3 +115,18 @@ def test_tensor_parallel_2_matches_tp1():
     lockstep = ("steps", "draft_forwards", "draft_tokens", "rows_drafting")
     assert [ranks[0][k] for k in lockstep] == [ranks[1][k] for k in lockstep]
     assert ranks[0]["draft_forwards"] > 0
+
+
+def test_bare_method_selfspec_works():
+    """`{"method": "selfspec"}` alone: documented default k and depth-based default skip set."""
+    from vllm_selfspec.config import DEFAULT_NUM_SPECULATIVE_TOKENS, default_skip_set
+
+    model_dir = _tiny("e2e-llama", arch="llama", num_layers=8)
+    with engine(model_dir) as llm:
+        reference = _greedy(llm)
+    with engine(model_dir, {"method": "selfspec"}) as llm:
+        assert _greedy(llm) == reference
+        stats = drafter_stats(llm)[0]
+    attention, mlp = default_skip_set(8)
+    assert stats["skip_attention"] == list(attention) and stats["skip_mlp"] == list(mlp)
+    assert stats["k_max"] == DEFAULT_NUM_SPECULATIVE_TOKENS

@@ -116,3 +116,16 @@ def test_unsupported_architecture(tmp_path):
     cfg["model_type"] = "gemma"
     (dst / "config.json").write_text(json.dumps(cfg))
     _expect(dst, {"skip_attention": [3]}, r"GemmaForCausalLM.*LlamaForCausalLM")
+
+
+def test_kv_transfer_connector_refused(model_dir):
+    _expect(
+        model_dir,
+        {"skip_attention": [3]},
+        r"KV-transfer",
+        kv_transfer_config={"kv_connector": "ExampleConnector", "kv_role": "kv_both"},
+    )
+
+
+def test_lora_refused(model_dir):
+    _expect(model_dir, {"skip_attention": [3]}, r"LoRA", enable_lora=True)
