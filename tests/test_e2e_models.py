@@ -130,3 +130,23 @@ def test_bare_method_selfspec_works():
     attention, mlp = default_skip_set(8)
     assert stats["skip_attention"] == list(attention) and stats["skip_mlp"] == list(mlp)
     assert stats["k_max"] == DEFAULT_NUM_SPECULATIVE_TOKENS
+
+
+def test_kv_bounds_check_fires_without_lookahead_reservation():
+    """Without the lookahead patch the scheduler under-allocates and the drafter must clip.
+
+    This shows that the "drafts never pass the allocated KV blocks" assertion of the other tests can
+    fail, and that the clip keeps the output lossless even then.
+    """
+    model_dir = _tiny("e2e-llama", arch="llama", num_layers=8)
+    # small blocks: many block boundaries for draft writes to run past
+    with engine(model_dir, block_size=32) as llm:
+        reference = _greedy(llm, max_tokens=150)
+    spec = {"method": "selfspec", "skip_mlp": [5], "num_speculative_tokens": 8, "adaptive": False}
+    with (
+        env(VLLM_SELFSPEC_TEST_DISABLE_LOOKAHEAD="1"),
+        engine(model_dir, spec, block_size=32) as llm,
+    ):
+        assert _greedy(llm, max_tokens=150) == reference
+        stats = drafter_stats(llm)[0]
+    assert stats["kv_overflow_clips"] > 0, stats

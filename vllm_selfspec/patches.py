@@ -24,11 +24,16 @@ behaviour of an engine that did not ask for ``"method": "selfspec"``.
    switches drafting off for the *whole batch* as soon as one request is within ``k`` tokens of
    ``max_model_len``. Our proposer clips each request's draft length itself, so it keeps drafting
    for the others.
+5. ``StatLoggerManager.__init__`` (front-end process only; installed by
+   :func:`vllm_selfspec.metrics.install` when a selfspec config is built, or at plugin load when
+   vLLM's metrics loggers are already imported): appends the plugin's own Prometheus logger
+   (``vllm:selfspec_*`` metrics) to the stat loggers of selfspec engines only.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 logger = logging.getLogger("vllm.selfspec.patches")
@@ -39,6 +44,8 @@ PROPOSER_PATH = "vllm_selfspec.proposer.SelfSpecProposer"
 ADDITIONAL_CONFIG_KEY = "selfspec"
 
 _SENTINEL = "_vllm_selfspec_patched"
+# Test-only switch: leave vLLM's lookahead at 0 to show that the drafter's KV-bounds check fires.
+_TEST_DISABLE_LOOKAHEAD = "VLLM_SELFSPEC_TEST_DISABLE_LOOKAHEAD"
 _applied = False
 
 
@@ -92,8 +99,10 @@ def apply_patches() -> None:
         _patch_create_speculative_config(unsupported=problem)
         return
     _patch_create_speculative_config()
-    _patch_num_lookahead_tokens()
+    if os.environ.get(_TEST_DISABLE_LOOKAHEAD) != "1":
+        _patch_num_lookahead_tokens()
     _patch_cpu_expand_batch_to_tokens()
+    _install_metrics(only_if_imported=True)
 
 
 # --- 1. the "selfspec" method alias -------------------------------------------------------------
@@ -121,6 +130,7 @@ def _patch_create_speculative_config(unsupported: str | None = None) -> None:
             additional = dict(self.additional_config or {})
             additional[ADDITIONAL_CONFIG_KEY] = settings
             self.additional_config = additional
+            _install_metrics()
         return original(self, target_model_config, target_parallel_config)
 
     setattr(create_speculative_config, _SENTINEL, True)
@@ -199,3 +209,21 @@ def patch_runner_input_fits_in_drafter(runner: Any) -> None:
     setattr(_input_fits_in_drafter, _SENTINEL, True)
     _input_fits_in_drafter.__wrapped__ = original  # type: ignore[attr-defined]
     runner._input_fits_in_drafter = _input_fits_in_drafter
+
+
+# --- 5. the plugin's own metrics (front end) --------------------------------------------------
+
+
+def _install_metrics(only_if_imported: bool = False) -> None:
+    """Lazy on purpose: importing vLLM's metrics loggers costs about a second, and only front ends
+    that build a selfspec engine (or imported them already) need the wrapper."""
+    import sys
+
+    if only_if_imported and "vllm.v1.metrics.loggers" not in sys.modules:
+        return
+    try:
+        from vllm_selfspec.metrics import install
+    except ImportError as exc:  # pragma: no cover - a vLLM without that module
+        logger.warning("selfspec metrics unavailable: %s", exc)
+        return
+    install()
