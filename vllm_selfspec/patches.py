@@ -28,6 +28,12 @@ behaviour of an engine that did not ask for ``"method": "selfspec"``.
    :func:`vllm_selfspec.metrics.install` when a selfspec config is built, or at plugin load when
    vLLM's metrics loggers are already imported): appends the plugin's own Prometheus logger
    (``vllm:selfspec_*`` metrics) to the stat loggers of selfspec engines only.
+6. ``topk_topp_sampler.apply_top_k_only`` (vLLM without Triton only, i.e. the CPU build): with any
+   speculative method vLLM runs every step through the rejection sampler, also steps in which no
+   request has drafts; the target logits are then ``[0, vocab]`` and, for a batch with a top-k-only
+   request (``top_k`` set, ``top_p`` not), ``k.max()`` of the empty ``k`` raises and kills the
+   engine core (one ``"top_k": 1`` request takes the whole server down). The wrapper returns the
+   empty logits unchanged and delegates otherwise.
 """
 
 from __future__ import annotations
@@ -102,6 +108,7 @@ def apply_patches() -> None:
     if os.environ.get(_TEST_DISABLE_LOOKAHEAD) != "1":
         _patch_num_lookahead_tokens()
     _patch_cpu_expand_batch_to_tokens()
+    _patch_cpu_empty_top_k_only()
     _install_metrics(only_if_imported=True)
 
 
@@ -227,3 +234,27 @@ def _install_metrics(only_if_imported: bool = False) -> None:
         logger.warning("selfspec metrics unavailable: %s", exc)
         return
     install()
+
+
+# --- 6. CPU top-k-only on an empty batch of draft tokens ----------------------------------------
+
+
+def _patch_cpu_empty_top_k_only() -> None:
+    from vllm.triton_utils import HAS_TRITON
+
+    if HAS_TRITON:  # the Triton top-k/top-p kernel is used instead
+        return
+    import vllm.v1.sample.ops.topk_topp_sampler as topk_topp_sampler
+
+    original = topk_topp_sampler.apply_top_k_only
+    if getattr(original, _SENTINEL, False):
+        return
+
+    def apply_top_k_only(logits, k):
+        if k.numel() == 0:  # no rows (a step without draft tokens): nothing to mask
+            return logits
+        return original(logits, k)
+
+    setattr(apply_top_k_only, _SENTINEL, True)
+    apply_top_k_only.__wrapped__ = original  # type: ignore[attr-defined]
+    topk_topp_sampler.apply_top_k_only = apply_top_k_only

@@ -178,7 +178,9 @@ class SelfSpecProposer:
         extra = getattr(params, "extra_args", None) or {}
         raw = extra.get("selfspec")
         if raw is None:
-            return None
+            raw = _flat_overrides(extra)
+            if raw is None:
+                return None
         try:
             return validate_request_overrides(raw, k_max=self.k_max)
         except ValueError as exc:  # never fail a running request: draft with the defaults
@@ -267,6 +269,13 @@ class SelfSpecProposer:
             next_np = next_tokens.cpu().numpy()
             conf_np = confidence.cpu().numpy()
             if probs_buffer is not None:
+                if probs is None:
+                    # Only greedy rows are still drafting at this step (the sampled rows stopped
+                    # earlier or had smaller budgets): their draft distribution is one-hot.
+                    probs = torch.zeros(
+                        (len(active), probs_buffer.shape[-1]), dtype=probs_buffer.dtype,
+                        device=self.device,
+                    ).scatter_(1, next_tokens.view(-1, 1), 1.0)
                 probs_buffer[torch.from_numpy(active).to(self.device), step] = probs
             for i, local in enumerate(active):
                 row = rows[local]
@@ -415,6 +424,32 @@ class SelfSpecProposer:
             "skip_mlp": sorted(self.skip_mlp),
             "k_max": self.k_max,
         }
+
+
+_FLAT_PREFIX = "selfspec_"
+
+
+def _flat_overrides(extra: dict[str, Any]) -> dict[str, Any] | None:
+    """Per-request overrides given as flat ``selfspec_<key>`` entries of ``extra_args``.
+
+    The OpenAI server fills ``extra_args`` from the request's ``vllm_xargs``, whose values can only
+    be strings, numbers or lists (no nested dict, and JSON ``true`` arrives as ``1``), so
+    ``{"vllm_xargs": {"selfspec_num_speculative_tokens": 0}}`` is how an API client caps drafting.
+    """
+    flat = {k[len(_FLAT_PREFIX):]: v for k, v in extra.items() if k.startswith(_FLAT_PREFIX)}
+    if not flat:
+        return None
+    adaptive = flat.get("adaptive")
+    if isinstance(adaptive, str) and adaptive.lower() in ("true", "false", "1", "0"):
+        flat["adaptive"] = adaptive.lower() in ("true", "1")
+    elif isinstance(adaptive, int) and not isinstance(adaptive, bool) and adaptive in (0, 1):
+        flat["adaptive"] = bool(adaptive)
+    k = flat.get("num_speculative_tokens")
+    if isinstance(k, float) and k.is_integer():
+        flat["num_speculative_tokens"] = int(k)
+    elif isinstance(k, str) and k.strip().isdigit():
+        flat["num_speculative_tokens"] = int(k)
+    return flat
 
 
 def _ema(previous: float | None, value: float, weight: float = 0.1) -> float:

@@ -1,0 +1,136 @@
+"""Serving pieces that need no running engine: the plugin's metrics logger, per-request overrides
+through ``vllm_xargs``, and the CPU top-k patch (patch 6)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vllm_selfspec import patches
+
+NUM_LAYERS = 6
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    from vllm_selfspec.testing.tiny_models import tiny_model_dir
+
+    return tiny_model_dir("errors-llama", arch="llama", num_layers=NUM_LAYERS)
+
+
+def _vllm_config(model_dir, speculative_config):
+    from vllm.engine.arg_utils import EngineArgs
+
+    patches.apply_patches()
+    args = EngineArgs(
+        model=str(model_dir),
+        speculative_config=speculative_config,
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=128,
+        kv_cache_memory_bytes=1 << 26,
+        served_model_name=["unit"],
+    )
+    return args.create_engine_config()
+
+
+def _sample(name, **labels):
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value(name, {"model_name": "unit", "engine": "0", **labels})
+
+
+def _stats(running, drafts=0, draft_tokens=0, decoding=0):
+    spec = None
+    if drafts:
+        spec = SimpleNamespace(num_drafts=drafts, num_draft_tokens=draft_tokens)
+    scheduler = SimpleNamespace(num_running_reqs=running, spec_decoding_stats=spec)
+    iteration = SimpleNamespace(inter_token_latencies_iter=[0.01] * decoding)
+    return scheduler, iteration
+
+
+def test_stat_logger_only_for_selfspec_engines(model_dir):
+    from vllm.v1.metrics.loggers import StatLoggerManager
+
+    from vllm_selfspec.metrics import SelfSpecStatLogger
+
+    plain = _vllm_config(model_dir, None)
+    manager = StatLoggerManager(plain, engine_idxs=[0], enable_default_loggers=False)
+    assert not any(isinstance(s, SelfSpecStatLogger) for s in manager.stat_loggers)
+    assert _sample("vllm:selfspec_mean_draft_length") is None
+
+    spec = _vllm_config(model_dir, {"method": "selfspec", "skip_attention": [2],
+                                    "num_speculative_tokens": 3})
+    manager = StatLoggerManager(spec, engine_idxs=[0], enable_default_loggers=False)
+    ours = [s for s in manager.stat_loggers if isinstance(s, SelfSpecStatLogger)]
+    assert len(ours) == 1
+    # the wrapper is installed once, whatever the number of calls
+    from vllm_selfspec.metrics import install
+
+    install()
+    install()
+    assert getattr(StatLoggerManager.__init__, "_vllm_selfspec_patched", False)
+    assert not getattr(StatLoggerManager.__init__.__wrapped__, "_vllm_selfspec_patched", False)
+
+    # step 1: 3 requests decode, 2 of them with drafts (3 + 1 tokens)
+    ours[0].record(*_stats(running=3, drafts=2, draft_tokens=4, decoding=3), engine_idx=0)
+    assert _sample("vllm:selfspec_mean_draft_length") == pytest.approx(2.0)
+    assert _sample("vllm:selfspec_requests_drafting_off") == 1
+    # step 2: a prefill-only step (no decode) leaves the counters alone
+    ours[0].record(*_stats(running=4, decoding=0), engine_idx=0)
+    assert _sample("vllm:selfspec_requests_drafting_off") == 0
+    # step 3: 4 decode, 1 with 3 drafts; mean over the window = (4 + 3) / 3
+    ours[0].record(*_stats(running=4, drafts=1, draft_tokens=3, decoding=4), engine_idx=0)
+    assert _sample("vllm:selfspec_mean_draft_length") == pytest.approx(7 / 3)
+    assert _sample("vllm:selfspec_requests_drafting_off") == 3
+    assert _sample("vllm:selfspec_decode_request_steps_total") == 7
+    assert _sample("vllm:selfspec_request_steps_drafting_off_total") == 4
+    # last step of the last requests: nothing running any more -> gauge back to 0
+    ours[0].record(*_stats(running=0, decoding=2), engine_idx=0)
+    assert _sample("vllm:selfspec_requests_drafting_off") == 0
+    # a new engine's loggers replace the old metrics (no duplicate registration)
+    StatLoggerManager(spec, engine_idxs=[0], enable_default_loggers=False)
+    assert _sample("vllm:selfspec_decode_request_steps_total") == 0
+
+
+def test_flat_vllm_xargs_overrides():
+    from vllm_selfspec.controller import validate_request_overrides
+    from vllm_selfspec.proposer import _flat_overrides
+
+    assert _flat_overrides({}) is None
+    assert _flat_overrides({"other": 1}) is None
+    got = _flat_overrides({"selfspec_num_speculative_tokens": 0, "x": 1})
+    assert validate_request_overrides(got, k_max=4) == {"num_speculative_tokens": 0}
+    # JSON true arrives as 1 through vllm_xargs' str | int | float values
+    got = _flat_overrides({"selfspec_adaptive": 1, "selfspec_num_speculative_tokens": 2.0})
+    assert validate_request_overrides(got, k_max=4) == {"adaptive": True,
+                                                        "num_speculative_tokens": 2}
+    got = _flat_overrides({"selfspec_adaptive": "false",
+                           "selfspec_draft_confidence_threshold": 0.25})
+    assert validate_request_overrides(got, k_max=4) == {"adaptive": False,
+                                                        "draft_confidence_threshold": 0.25}
+    with pytest.raises(ValueError, match="unknown selfspec override key 'bogus'"):
+        validate_request_overrides(_flat_overrides({"selfspec_bogus": 1}), k_max=4)
+
+
+def test_cpu_top_k_only_with_no_draft_tokens():
+    """vLLM (no Triton) crashes on top-k-only sampling when a spec-decode step has no drafts."""
+    from vllm.triton_utils import HAS_TRITON
+
+    if HAS_TRITON:
+        pytest.skip("the Triton top-k/top-p kernel is used; patch 6 is not installed")
+    import vllm.v1.sample.ops.topk_topp_sampler as tts
+
+    patches.apply_patches()
+    empty_logits = torch.empty(0, 16)
+    empty_k = torch.empty(0, dtype=torch.int32)
+    with pytest.raises(RuntimeError):
+        tts.apply_top_k_only.__wrapped__(empty_logits, empty_k)  # vLLM's own
+    out = tts.apply_top_k_top_p_pytorch(empty_logits, empty_k, None, allow_cpu_sync=True)
+    assert out.shape == (0, 16)
+    # non-empty batches are delegated unchanged
+    logits = torch.tensor([[0.1, 2.0, 0.3, 1.0], [3.0, 0.0, 1.0, 2.0]])
+    masked = tts.apply_top_k_only(logits.clone(), torch.tensor([1, 2], dtype=torch.int32))
+    assert torch.isfinite(masked).sum(dim=1).tolist() == [1, 2]
