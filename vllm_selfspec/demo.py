@@ -40,7 +40,13 @@ def _metrics(llm: Any) -> dict[str, float]:
 
 
 def run_engine(
-    model: str, prompts: list[str], max_tokens: int, repeats: int, spec: dict | None, batch: int
+    model: str,
+    prompts: list[str],
+    max_tokens: int,
+    repeats: int,
+    spec: dict | None,
+    batch: int,
+    compile_model: bool = False,
 ) -> RunResult:
     from vllm import LLM, SamplingParams
 
@@ -52,6 +58,7 @@ def run_engine(
         disable_log_stats=False,
         speculative_config=spec,
         seed=0,
+        enforce_eager=not compile_model,
     )
     try:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=False)
@@ -94,6 +101,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=2, help="timed passes per engine")
     parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="let vLLM torch.compile the model (slower start; the draft path stays eager)",
+    )
+    parser.add_argument(
         "--insert-zero-layers",
         type=int,
         default=0,
@@ -126,9 +138,13 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     print("running plain vLLM decoding ...", flush=True)
-    plain = run_engine(model, prompts, args.max_tokens, args.repeats, None, args.batch_size)
+    plain = run_engine(
+        model, prompts, args.max_tokens, args.repeats, None, args.batch_size, args.compile
+    )
     print(f"running selfspec {json.dumps(spec)} ...", flush=True)
-    fast = run_engine(model, prompts, args.max_tokens, args.repeats, spec, args.batch_size)
+    fast = run_engine(
+        model, prompts, args.max_tokens, args.repeats, spec, args.batch_size, args.compile
+    )
 
     identical = sum(a == b for a, b in zip(plain.outputs, fast.outputs, strict=True))
     plain_tps = statistics.median(plain.tokens_per_s)
