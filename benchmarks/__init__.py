@@ -1,1 +1,1 @@
-"""Benchmarks of vllm-selfspec: ``python -m benchmarks.run --suite ...`` (see docs/benchmarks.md)."""
+"""Benchmarks of vllm-selfspec (``python -m benchmarks.run``); see docs/benchmarks.md."""

@@ -114,7 +114,7 @@ def build_suite(name: str) -> Suite:
                       weight=2),
                 Group("smollm2", [
                     Method("hf generate", kind="hf", batches=(1,)),
-                    Method("hf early exit", kind="hf", hf_early_exit=24, batches=(1,)),
+                    Method("hf early exit", kind="hf", hf_early_exit=28, batches=(1,)),
                 ], weight=1.2),
             ],
             time_budget_s=1560.0,
@@ -300,6 +300,15 @@ class Runner:
         try:
             for gi, group in enumerate(suite.groups):
                 g_start = time.time()
+                if self.deadline and g_start > self.deadline:
+                    self.log(f"[{suite.name}] deadline passed: group {gi} not run")
+                    for m in group.methods:
+                        for cell in cells(suite):
+                            self.records.append({"cell": self._cell(cell, group),
+                                                 "method": m.name, "rep": 0, "group": gi,
+                                                 "error": "not run: past the --deadline"})
+                    total_weight -= group.weight
+                    continue
                 share = budget_left * group.weight / total_weight
                 total_weight -= group.weight
                 model_dir = resolve_model(group.model)
