@@ -69,6 +69,22 @@ def per_token_acceptance(
     return float(num_accepted) / total if total > 0 else 1.0
 
 
+def wall_cost_ratio(seconds: float, steps: int, draft_forwards: int,
+                    plain_step_s: float) -> float:
+    """Draft-step cost over a plain decoding step, inferred from wall time.
+
+    A speculative run of ``steps`` engine steps with ``draft_forwards`` draft forwards took
+    ``seconds``; a plain step of the same cell took ``plain_step_s``. Assuming a verification step
+    costs a plain step, ``seconds = steps * plain_step_s + draft_forwards * c_draft``, so
+    ``r = c_draft / plain_step_s``. The extra cost of verifying k + 1 tokens instead of one (and
+    every other per-step overhead of speculation) is charged to the draft, so this ``r`` is an
+    upper bound of the draft forward's own cost; it is never below 0.
+    """
+    if draft_forwards <= 0 or plain_step_s <= 0:
+        raise ValueError("need draft_forwards > 0 and plain_step_s > 0")
+    return max(seconds - steps * plain_step_s, 0.0) / draft_forwards / plain_step_s
+
+
 def _median(xs: Sequence[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
@@ -87,9 +103,13 @@ def summarize(runs: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """
     runs = list(runs)
     plain: dict[tuple, float] = {}
+    plain_step: dict[tuple, float] = {}  # seconds per plain decoding step
     for rr in runs:
         if rr["method"] == "plain" and rr.get("tokens_per_s"):
-            plain[(_cell_key(rr["cell"]), rr.get("group", 0), rr["rep"])] = rr["tokens_per_s"]
+            key = (_cell_key(rr["cell"]), rr.get("group", 0), rr["rep"])
+            plain[key] = rr["tokens_per_s"]
+            if rr.get("plain_steps"):
+                plain_step[key] = rr["seconds"] / rr["plain_steps"]
     groups: dict[tuple, list[Mapping[str, Any]]] = {}
     order: list[tuple] = []
     for rr in runs:
@@ -150,6 +170,14 @@ def summarize(runs: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
             row["cost_ratio"] = _median([d / s for d, s in costs])
             row["draft_step_ms"] = _median([1e3 * d for d, _ in costs])
             row["verify_step_ms"] = _median([1e3 * s for _, s in costs])
+        walls = []
+        for g in ok:
+            d = g.get("drafter") or {}
+            c_p = plain_step.get((_cell_key(g["cell"]), g.get("group", 0), g["rep"]))
+            if c_p and d.get("steps") and d.get("draft_forwards"):
+                walls.append(wall_cost_ratio(g["seconds"], d["steps"], d["draft_forwards"], c_p))
+        if walls:
+            row["cost_ratio_wall"] = _median(walls)
         off = [g["drafter"].get("drafting_off_share") for g in ok if g.get("drafter")]
         off = [x for x in off if x is not None]
         if off:
@@ -229,6 +257,7 @@ COLUMNS: list[tuple[str, str]] = [
     ("mean_accepted_length", "mean acc. len"),
     ("per_position_acceptance", "per-position acceptance"),
     ("cost_ratio", "draft/verify cost"),
+    ("cost_ratio_wall", "r (wall)"),
     ("ideal_speedup", "ideal"),
     ("efficiency", "efficiency"),
     ("drafting_off_share", "drafting off"),
@@ -256,7 +285,7 @@ def _fmt(key: str, row: Mapping[str, Any]) -> str:
     if key == "temperature":
         return f"{v:g}"
     if isinstance(v, float):
-        return f"{v:.2f}" if key != "cost_ratio" else f"{v:.3f}"
+        return f"{v:.3f}" if key.startswith("cost_ratio") else f"{v:.2f}"
     return str(v).replace("|", "\\|")
 
 

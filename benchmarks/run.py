@@ -411,10 +411,13 @@ class Runner:
                                      "rep": rep, "group": gi, "error": _error_text(exc)})
                 continue
             tokens = sum(len(o) for o in outputs)
+            # plain decoding: one step per token of the longest request of each generate call
+            steps = sum(max((len(o) for o in outputs[i:i + batch]), default=0)
+                        for i in range(0, len(outputs), batch))
             rec: dict[str, Any] = {
                 "cell": self._cell(cell, group), "method": m.name, "rep": rep,
                 "group": gi, "tokens": tokens, "seconds": seconds,
-                "tokens_per_s": tokens / seconds,
+                "tokens_per_s": tokens / seconds, "plain_steps": steps,
                 "load": list(os.getloadavg()), "k": eng.k, "_engine": eng.name,
                 "ideal_source": m.ideal_source, "kind": m.kind,
             }
@@ -498,8 +501,10 @@ def render_markdown(result: dict[str, Any]) -> str:
               "tokens; `mean acc. len` = tokens per verification (1 + accepted / draft rounds); "
               "`per-position acceptance` = accepted at position i / draft rounds; "
               "`draft/verify cost` = one draft forward over one verification step (selfspec "
-              "drafter counters); `ideal` = max_k E(k)/(k r + 1) from the fixed-k run's "
-              "per-token acceptance and cost ratio; `efficiency` = achieved / ideal; "
+              "drafter's timers, EMAs at the end of each run); `r (wall)` = the same ratio "
+              "inferred from wall times (see docs/benchmarks.md); `ideal` = max_k E(k)/(k r + 1) "
+              "from the fixed-k run's per-token acceptance and cost ratio r; `efficiency` = "
+              "achieved / ideal; "
               "`drafting off` = share of request-steps the controller planned 0 drafts; "
               "`peak RSS` = resident memory of the engine's processes; `greedy identical` = "
               "outputs equal to plain vLLM's.", ""]

@@ -299,3 +299,19 @@ def test_pivot_table():
     assert "| selfspec | 1.20 [1.10-1.25], a=0.50 |" in lines
     assert "| suffix | n/a |" in lines
     assert not any("plain" in line for line in lines)
+
+
+def test_wall_cost_ratio():
+    # 10 steps of 0.1 s plus 20 draft forwards of 0.05 s: r = 0.5
+    assert analysis.wall_cost_ratio(2.0, 10, 20, 0.1) == pytest.approx(0.5)
+    assert analysis.wall_cost_ratio(0.5, 10, 20, 0.1) == 0.0  # faster than plain: clipped
+    recs = _records()
+    for r in recs:
+        if r["method"] == "plain":
+            r["plain_steps"] = 50  # 1 s / 50 = 20 ms per plain step
+        elif r["method"] == "fixed":
+            r["drafter"].update(steps=20, draft_forwards=40)
+    rows = {r["method"]: r for r in analysis.summarize(recs)}
+    # 1 s = 20 * 0.02 + 40 * c  ->  c = 0.015  ->  r = 0.75
+    assert rows["fixed"]["cost_ratio_wall"] == pytest.approx(0.75)
+    assert "cost_ratio_wall" not in rows["selfspec"]
