@@ -1,0 +1,82 @@
+"""TP=2 over vLLM's Ray executor, on CPU, through a test-only shim: greedy output equals TP=1.
+
+vLLM's CPU build refuses Ray only because ``CpuPlatform.ray_device_key`` is empty. The shim
+(``tests/ray_cpu_shim.py``, a ``vllm.platform_plugins`` entry point active only in the processes
+started here) gives the CPU platform the key ``"GPU"``, and the local Ray instance declares two
+logical GPUs, one placement-group slot per tensor-parallel rank. Everything else is vLLM's own Ray
+path (``RayExecutorV2``, vLLM 0.32's default): workers are Ray actors that receive the
+``VllmConfig`` from Ray, load the plugin with ``load_general_plugins()`` and build the drafter.
+
+Each engine runs in its own process (``tests/ray_engine_run.py``) so that Ray, the shim and the
+engine are torn down with the process group.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("ray")
+pytestmark = pytest.mark.engine
+
+REPO = Path(__file__).resolve().parents[1]
+SPEC = {"method": "selfspec", "skip_attention": [3, 5], "skip_mlp": [6],
+        "num_speculative_tokens": 4, "adaptive": False}
+RUN_TIMEOUT_S = 600
+
+
+def _run(model_dir, out: Path, *extra: str, env: dict[str, str] | None = None) -> dict:
+    cmd = [sys.executable, "-m", "tests.ray_engine_run", "--model", str(model_dir),
+           "--out", str(out), *extra]
+    log = out.with_suffix(".log")
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
+                                env={**os.environ, **(env or {})}, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=RUN_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            rc = None
+        finally:
+            try:  # Ray's processes, the engine core and workers live in the same group
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+    tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
+    assert rc == 0, f"{cmd} exited with {rc}:\n{tail}"
+    return json.loads(out.read_text())
+
+
+def test_ray_tp2_selfspec_matches_tp1(tmp_path):
+    from tests.ray_cpu_shim import shim_env, write_distribution
+    from vllm_selfspec.testing.tiny_models import tiny_model_dir
+
+    model_dir = tiny_model_dir("e2e-llama", arch="llama", num_layers=8)
+    reference = _run(model_dir, tmp_path / "tp1.json", "--tp", "1", "--backend", "mp")
+
+    shim = write_distribution(tmp_path / "shim")
+    env = {**shim_env(shim, REPO), "VLLM_CPU_OMP_THREADS_BIND": "0|1",
+           "RAY_USAGE_STATS_ENABLED": "0"}
+    got = _run(model_dir, tmp_path / "ray_tp2.json", "--tp", "2", "--backend", "ray",
+               "--start-ray", "--spec", json.dumps(SPEC), env=env)
+    print(f"\nray tp2: start {got['start_s']:.0f} s, generate {got['generate_s']:.1f} s; "
+          f"workers {got['workers']}; spec metrics {got['spec_metrics']}")
+
+    assert got["backend"] == "ray"
+    assert got["token_ids"] == reference["token_ids"]
+    workers = got["workers"]
+    assert len(workers) == 2 and all(w["in_ray_actor"] for w in workers), workers
+    assert {w["platform"] for w in workers} == {"RayCpuPlatform"}
+    assert sorted(w["tp_rank"] for w in workers) == [0, 1]
+    assert all(w["pid"] != os.getpid() for w in workers)
+    ranks = got["drafter_stats"]
+    lockstep = ("steps", "draft_forwards", "draft_tokens", "rows_drafting")
+    assert [ranks[0][k] for k in lockstep] == [ranks[1][k] for k in lockstep]
+    assert ranks[0]["draft_forwards"] > 0
+    assert got["spec_metrics"]["vllm:spec_decode_num_draft_tokens"] > 0
