@@ -45,22 +45,9 @@ def token_ids(outputs: Sequence[Any]) -> list[list[int]]:
 
 def spec_metrics(llm: Any) -> dict[str, Any]:
     """vLLM's own spec-decode counters (``vllm:spec_decode_*``), summed over engines."""
-    found: dict[str, Any] = {}
-    for metric in llm.get_metrics():
-        if not metric.name.startswith("vllm:spec_decode"):
-            continue
-        name = metric.name.removeprefix("vllm:spec_decode_")
-        if hasattr(metric, "values"):
-            previous = found.get(name)
-            values = list(metric.values)
-            found[name] = (
-                values
-                if previous is None
-                else [a + b for a, b in zip(previous, values, strict=True)]
-            )
-        else:
-            found[name] = found.get(name, 0) + metric.value
-    return found
+    from vllm_selfspec.spec_metrics import read_spec_decode_counters
+
+    return read_spec_decode_counters(llm)
 
 
 def acceptance_rate(llm: Any) -> float:

@@ -19,7 +19,6 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any
 
 
 @dataclass
@@ -29,14 +28,6 @@ class RunResult:
     acceptance: float | None = None
     mean_accepted_length: float | None = None
     drafts: int = 0
-
-
-def _metrics(llm: Any) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for metric in llm.get_metrics():
-        if metric.name.startswith("vllm:spec_decode_") and hasattr(metric, "value"):
-            out[metric.name.removeprefix("vllm:spec_decode_")] = metric.value
-    return out
 
 
 def run_engine(
@@ -49,6 +40,13 @@ def run_engine(
     compile_model: bool = False,
 ) -> RunResult:
     from vllm import LLM, SamplingParams
+
+    from vllm_selfspec.spec_metrics import (
+        acceptance_rate,
+        counter_delta,
+        mean_accepted_length,
+        read_spec_decode_counters,
+    )
 
     llm = LLM(
         model=model,
@@ -63,7 +61,7 @@ def run_engine(
     try:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=False)
         llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
-        before = _metrics(llm)
+        before = read_spec_decode_counters(llm)
         speeds: list[float] = []
         outputs: list[list[int]] = []
         for _ in range(repeats):
@@ -74,15 +72,13 @@ def run_engine(
             elapsed = time.perf_counter() - start
             outputs = [list(r.outputs[0].token_ids) for r in results]
             speeds.append(sum(len(o) for o in outputs) / elapsed)
-        after = _metrics(llm)
+        after = read_spec_decode_counters(llm)
         result = RunResult(outputs=outputs, tokens_per_s=speeds)
-        drafted = after.get("num_draft_tokens", 0) - before.get("num_draft_tokens", 0)
-        if spec is not None and drafted > 0:
-            accepted = after["num_accepted_tokens"] - before.get("num_accepted_tokens", 0)
-            drafts = after["num_drafts"] - before.get("num_drafts", 0)
-            result.acceptance = accepted / drafted
-            result.mean_accepted_length = 1 + accepted / drafts
-            result.drafts = int(drafts)
+        delta = counter_delta(before, after)
+        if spec is not None:
+            result.acceptance = acceptance_rate(delta)
+            result.mean_accepted_length = mean_accepted_length(delta)
+            result.drafts = int(delta.get("num_drafts", 0))
         return result
     finally:
         llm.llm_engine.engine_core.shutdown()
