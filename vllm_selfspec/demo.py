@@ -38,6 +38,7 @@ def run_engine(
     spec: dict | None,
     batch: int,
     compile_model: bool = False,
+    max_model_len: int = 2048,
 ) -> RunResult:
     from vllm import LLM, SamplingParams
 
@@ -51,7 +52,7 @@ def run_engine(
     llm = LLM(
         model=model,
         dtype="float32",
-        max_model_len=2048,
+        max_model_len=max_model_len,
         kv_cache_memory_bytes=1 << 30,
         disable_log_stats=False,
         speculative_config=spec,
@@ -93,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         help="selfspec speculative config JSON (as for vllm serve)",
     )
     parser.add_argument("--num-prompts", type=int, default=8)
+    parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=2, help="timed passes per engine")
@@ -135,11 +137,25 @@ def main(argv: list[str] | None = None) -> int:
     )
     print("running plain vLLM decoding ...", flush=True)
     plain = run_engine(
-        model, prompts, args.max_tokens, args.repeats, None, args.batch_size, args.compile
+        model,
+        prompts,
+        args.max_tokens,
+        args.repeats,
+        None,
+        args.batch_size,
+        args.compile,
+        args.max_model_len,
     )
     print(f"running selfspec {json.dumps(spec)} ...", flush=True)
     fast = run_engine(
-        model, prompts, args.max_tokens, args.repeats, spec, args.batch_size, args.compile
+        model,
+        prompts,
+        args.max_tokens,
+        args.repeats,
+        spec,
+        args.batch_size,
+        args.compile,
+        args.max_model_len,
     )
 
     identical = sum(a == b for a, b in zip(plain.outputs, fast.outputs, strict=True))
