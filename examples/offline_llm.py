@@ -32,7 +32,8 @@ def main() -> None:
         from vllm_selfspec.testing.tiny_models import tiny_model_dir
 
         model = str(tiny_model_dir("example-llama", arch="llama", num_layers=8))
-        extra = {"dtype": "float32", "enforce_eager": True, "max_model_len": 512}
+        extra = {"dtype": "float32", "enforce_eager": True, "max_model_len": 512,
+                 "kv_cache_memory_bytes": 1 << 28}  # on CPU: else 92% of RAM
     if model is None:
         ap.error("give --model or --tiny")
 
