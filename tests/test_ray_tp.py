@@ -4,7 +4,8 @@ vLLM's CPU build refuses Ray only because ``CpuPlatform.ray_device_key`` is empt
 (``tests/ray_cpu_shim.py``, a ``vllm.platform_plugins`` entry point active only in the processes
 started here) gives the CPU platform the key ``"GPU"``, and the local Ray instance declares two
 logical GPUs, one placement-group slot per tensor-parallel rank. Everything else is vLLM's own Ray
-path (``RayExecutorV2``, vLLM 0.32's default): workers are Ray actors that receive the
+path (``RayExecutorV2``, vLLM 0.32's default, and the legacy compiled-graph
+``RayDistributedExecutor``): workers are Ray actors that receive the
 ``VllmConfig`` from Ray, load the plugin with ``load_general_plugins()`` and build the drafter.
 
 Each engine runs in its own process (``tests/ray_engine_run.py``) so that Ray, the shim and the
@@ -53,16 +54,32 @@ def _run(model_dir, out: Path, *extra: str, env: dict[str, str] | None = None) -
     return json.loads(out.read_text())
 
 
-def test_ray_tp2_selfspec_matches_tp1(tmp_path):
-    from tests.ray_cpu_shim import shim_env, write_distribution
+@pytest.fixture(scope="module")
+def model_dir():
     from vllm_selfspec.testing.tiny_models import tiny_model_dir
 
-    model_dir = tiny_model_dir("e2e-llama", arch="llama", num_layers=8)
-    reference = _run(model_dir, tmp_path / "tp1.json", "--tp", "1", "--backend", "mp")
+    return tiny_model_dir("e2e-llama", arch="llama", num_layers=8)
 
+
+@pytest.fixture(scope="module")
+def reference(model_dir, tmp_path_factory):
+    """Plain TP=1 greedy output (multiprocessing executor, no Ray)."""
+    out = tmp_path_factory.mktemp("tp1") / "tp1.json"
+    return _run(model_dir, out, "--tp", "1", "--backend", "mp")
+
+
+# RayExecutorV2 (vLLM 0.32's default) and the legacy compiled-graph RayDistributedExecutor
+@pytest.mark.parametrize("v2", ["1", "0"], ids=["ray_executor_v2", "ray_compiled_dag"])
+def test_ray_tp2_selfspec_matches_tp1(model_dir, reference, tmp_path, v2):
+    from vllm.platforms.cpu import CpuPlatform
+
+    from tests.ray_cpu_shim import RAY_DEVICE_KEY, shim_env, write_distribution
+
+    # why the shim exists: vLLM's own CPU platform has no Ray resource key (Ray is refused)
+    assert CpuPlatform.ray_device_key == ""
     shim = write_distribution(tmp_path / "shim")
     env = {**shim_env(shim, REPO), "VLLM_CPU_OMP_THREADS_BIND": "0|1",
-           "RAY_USAGE_STATS_ENABLED": "0"}
+           "RAY_USAGE_STATS_ENABLED": "0", "VLLM_USE_RAY_V2_EXECUTOR_BACKEND": v2}
     got = _run(model_dir, tmp_path / "ray_tp2.json", "--tp", "2", "--backend", "ray",
                "--start-ray", "--spec", json.dumps(SPEC), env=env)
     print(f"\nray tp2: start {got['start_s']:.0f} s, generate {got['generate_s']:.1f} s; "
@@ -73,6 +90,7 @@ def test_ray_tp2_selfspec_matches_tp1(tmp_path):
     workers = got["workers"]
     assert len(workers) == 2 and all(w["in_ray_actor"] for w in workers), workers
     assert {w["platform"] for w in workers} == {"RayCpuPlatform"}
+    assert {w["ray_device_key"] for w in workers} == {RAY_DEVICE_KEY}
     assert sorted(w["tp_rank"] for w in workers) == [0, 1]
     assert all(w["pid"] != os.getpid() for w in workers)
     ranks = got["drafter_stats"]
