@@ -101,22 +101,23 @@ def good_skip_set() -> tuple[dict, str]:
 
 def build_suite(name: str) -> Suite:
     if name == "cpu-smollm2":
-        good, _ = good_skip_set()
         return Suite(
             name=name,
             groups=[
-                Group("smollm2", [
-                    Method("selfspec", spec=_selfspec(True), ideal_source="selfspec fixed k"),
-                    Method("selfspec fixed k", spec=_selfspec(False),
-                           ideal_source="selfspec fixed k"),
-                ], weight=3),
                 Group("smollm2", [Method("ngram", spec=NGRAM), Method("suffix", spec=SUFFIX)],
                       weight=2),
                 Group("smollm2", [
                     Method("hf generate", kind="hf", batches=(1,)),
                     Method("hf early exit", kind="hf", hf_early_exit=28, batches=(1,)),
                 ], weight=1.2),
+                Group("smollm2", [
+                    Method("selfspec", spec=_selfspec(True), ideal_source="selfspec fixed k"),
+                    Method("selfspec fixed k", spec=_selfspec(False),
+                           ideal_source="selfspec fixed k"),
+                ], weight=3),
             ],
+            batches=[1, 8],
+            max_tokens=32,
             time_budget_s=1560.0,
             note="selfspec uses the model's shipped profile if there is one, else the "
                  "depth-based default (attention of 7 upper layers)",

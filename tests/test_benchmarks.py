@@ -183,7 +183,7 @@ def test_no_harm_suite_shape():
 def test_dry_run_prints_json(capsys):
     assert run.main(["--suite", "cpu-smollm2", "--dry-run"]) == 0
     p = json.loads(capsys.readouterr().out)
-    assert p["suite"] == "cpu-smollm2" and len(p["cells"]) == 2 * 2 * 3
+    assert p["suite"] == "cpu-smollm2" and len(p["cells"]) == 2 * 2 * 2
     methods = [m["name"] for g in p["groups"] for m in g["methods"]]
     assert {"selfspec", "selfspec fixed k", "ngram", "suffix", "hf generate",
             "hf early exit"} <= set(methods)
@@ -315,3 +315,34 @@ def test_wall_cost_ratio():
     # 1 s = 20 * 0.02 + 40 * c  ->  c = 0.015  ->  r = 0.75
     assert rows["fixed"]["cost_ratio_wall"] == pytest.approx(0.75)
     assert "cost_ratio_wall" not in rows["selfspec"]
+
+
+def test_batch_aware_budget():
+    from vllm_selfspec.controller import ControllerConfig, DraftLengthController
+
+    def ctl(**kw):
+        c = DraftLengthController(ControllerConfig(k_max=4, **kw))
+        c.observe_step_costs(batch_size=32, draft_step_s=0.2, verify_step_s=1.0)
+        return c
+
+    # one request with a = 0.35 and 31 that do not draft: alone it would draft (a > r = 0.2),
+    # but its gain does not pay for 32 requests waiting
+    c = ctl()
+    ids = [f"r{i}" for i in range(32)]
+    c.plan(ids)
+    for i, rid in enumerate(ids):
+        st = c._states[rid]
+        st.acc_count, st.try_count = (0.35, 1.0) if i == 0 else (0.0, 1.0)
+    assert best_draft_length(0.35, 0.2, 4) >= 1
+    assert c.plan(ids) == [0] * 32
+    # drafts that land for everyone: the batch drafts
+    for rid in ids:
+        c._states[rid].acc_count = c._states[rid].try_count = 1.0
+    assert c.plan(ids) == [4] * 32
+    # switched off: per-request budgets as before
+    c2 = ctl(batch_aware=False)
+    c2.plan(ids)
+    for i, rid in enumerate(ids):
+        st = c2._states[rid]
+        st.acc_count, st.try_count = (0.35, 1.0) if i == 0 else (0.0, 1.0)
+    assert c2.plan(ids)[0] >= 1
