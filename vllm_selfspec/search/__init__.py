@@ -1,0 +1,46 @@
+"""Offline layer-selection search for self-speculative decoding (``selfspec-profile``).
+
+* :mod:`~vllm_selfspec.search.matchness` -- teacher-forced matchness of a skip set on a
+  Hugging Face model (the acceptance estimate; reusable by an on-the-fly search);
+* :mod:`~vllm_selfspec.search.cost` -- step-cost models and the estimated speedup;
+* :mod:`~vllm_selfspec.search.optimize` -- the Optuna study (seeds, probes, TPE/GP), resumable;
+* :mod:`~vllm_selfspec.search.output` / :mod:`~vllm_selfspec.search.plot` -- profile and plot;
+* :mod:`~vllm_selfspec.search.confirm` -- end-to-end check with vLLM (the only vLLM import).
+
+Nothing is imported eagerly: ``import vllm_selfspec.search`` needs neither torch nor Optuna.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_EXPORTS = {
+    "SkipSet": "matchness",
+    "MatchnessScorer": "matchness",
+    "Reference": "matchness",
+    "generate_references": "matchness",
+    "load_model": "matchness",
+    "simulate_chain_acceptance": "matchness",
+    "LinearCostModel": "cost",
+    "estimate_speedup": "cost",
+    "SearchConfig": "optimize",
+    "LayerSearch": "optimize",
+    "SearchResult": "optimize",
+    "Candidate": "optimize",
+    "make_profile": "output",
+    "show_profile": "output",
+    "validate_profile": "output",
+    "plot_search": "plot",
+    "confirm_candidates": "confirm",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'vllm_selfspec.search' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(f"vllm_selfspec.search.{module}"), name)
