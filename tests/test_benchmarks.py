@@ -346,3 +346,22 @@ def test_batch_aware_budget():
         st = c2._states[rid]
         st.acc_count, st.try_count = (0.35, 1.0) if i == 0 else (0.0, 1.0)
     assert c2.plan(ids)[0] >= 1
+
+
+def test_probe_interval_is_cost_aware():
+    from vllm_selfspec.controller import ControllerConfig, DraftLengthController
+
+    c = DraftLengthController(ControllerConfig(k_max=4, probe_interval=4,
+                                               max_probe_interval=256))
+    assert c._min_probe_interval(0.65) == 0  # nothing measured: the configured schedule
+    c.observe_step_costs(batch_size=1, draft_step_s=0.65, verify_step_s=1.0)
+    assert c._min_probe_interval(0.65) == 65  # 2 * 0.65 / 0.02
+    assert c._min_probe_interval(100.0) == 256
+    plans = []
+    for _ in range(80):  # drafts never land
+        (k,) = c.plan(["r"])
+        plans.append(k)
+        c.observe_verification("r", drafted=k, accepted=0)
+    off = plans.index(0)
+    probes = [i for i, k in enumerate(plans) if i > off and k]
+    assert probes and probes[0] - off >= 64
