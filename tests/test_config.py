@@ -22,6 +22,7 @@ from vllm_selfspec.errors import ProfileError, SelfSpecConfigError
 from vllm_selfspec.profiles import DRAFT_KEYS, ModelFingerprint, Profile
 
 SMOL = ModelFingerprint("LlamaForCausalLM", 30, 576, 49152, name="HuggingFaceTB/SmolLM2-135M")
+UNPROFILED_30 = ModelFingerprint("LlamaForCausalLM", 30, 640, 50000, name="some/other-30-layer")
 LLAMA_13B_CHAT = ModelFingerprint(
     "LlamaForCausalLM", 40, 5120, 32000, name="meta-llama/Llama-2-13b-chat-hf"
 )
@@ -107,8 +108,13 @@ def test_explicit_single_list_and_empty_lists() -> None:
     assert empty.source == "explicit skip lists"
 
 
-def test_default_when_nothing_matches() -> None:
+def test_shipped_smollm2_profile_is_found() -> None:
     s = resolve_settings({}, SMOL, None)
+    assert "smollm2-135m-instruct" in s.source
+
+
+def test_default_when_nothing_matches() -> None:
+    s = resolve_settings({}, UNPROFILED_30, None)
     assert (s.skip_attention, s.skip_mlp) == default_skip_set(30)
     assert s.source == (
         "default for a 30-layer model (no profile matched; a searched profile would be faster)"
@@ -122,6 +128,7 @@ def test_default_when_nothing_matches() -> None:
 
 def test_none_spec_and_none_values_mean_not_given() -> None:
     assert resolve_settings(None, SMOL, None) == resolve_settings({}, SMOL, None)
+    assert resolve_settings(None, UNPROFILED_30, None) == resolve_settings({}, UNPROFILED_30, None)
     s = resolve_settings({"profile": None, "skip_attention": [2], "adaptive": None}, SMOL, None)
     assert s.skip_attention == (2,) and s.adaptive is True
 

@@ -21,7 +21,7 @@ from vllm_selfspec.profiles import (
 )
 
 LLAMA_13B = ModelFingerprint("LlamaForCausalLM", 40, 5120, 32000)
-EXPECTED_SHIPPED = {
+PUBLISHED = {
     "codellama-13b.draft-verify",
     "codellama-13b.swift-humaneval",
     "codellama-34b.swift-humaneval",
@@ -32,6 +32,8 @@ EXPECTED_SHIPPED = {
     "llama-2-70b.draft-verify",
     "llama-2-70b.swift-cnndm",
 }
+SEARCHED = {"smollm2-135m-instruct"}  # found by selfspec-profile
+EXPECTED_SHIPPED = PUBLISHED | SEARCHED
 
 
 def _doc(**overrides: Any) -> dict[str, Any]:
@@ -356,7 +358,7 @@ def test_shipped_names() -> None:
     assert shipped_profile_names() == sorted(shipped_profile_names())
 
 
-@pytest.mark.parametrize("name", sorted(EXPECTED_SHIPPED))
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_every_shipped_profile_is_valid(name: str) -> None:
     profile = load_profile(name)
     assert profile.name == name
@@ -441,8 +443,20 @@ def test_find_unique_checkpoint_without_name() -> None:
     assert found is not None and found.name == "codellama-34b.swift-humaneval"
 
 
+@pytest.mark.parametrize("name", sorted(SEARCHED))
+def test_searched_profiles_are_valid(name: str) -> None:
+    profile = load_profile(name)
+    profile.check_model(profile.model)
+    assert profile.skip_attention or profile.skip_mlp
+    assert "selfspec-profile" in profile.provenance["method"]
+    # estimated and measured acceptance are recorded side by side
+    assert 0 < profile.provenance["estimated_acceptance"] <= 1
+    assert 0 < profile.provenance["measured_acceptance"] <= 1
+    assert find_shipped_profile(profile.model) == profile
+
+
 def test_find_no_match() -> None:
-    assert find_shipped_profile(_fp("HuggingFaceTB/SmolLM2-135M", 30, 576, 49152)) is None
+    assert find_shipped_profile(_fp("HuggingFaceTB/SmolLM2-360M", 32, 960, 49152)) is None
     mistral = ModelFingerprint("MistralForCausalLM", 40, 5120, 32000, "Llama-2-13b-hf")
     assert find_shipped_profile(mistral) is None
 
