@@ -93,6 +93,7 @@ class SelfSpecProposer:
         self._forward: LayerSkipForward | None = None
         self._tp_world_size, self._tp_rank = _tp_world()
         self._last_propose_end: float | None = None
+        self._last_req_ids: list[str] = []
         self._draft_cost_ema: float | None = None
         self._step_cost_ema: float | None = None
         self._steps_since_cost_sync = 0
@@ -141,10 +142,14 @@ class SelfSpecProposer:
         slot_mappings: Any = None,
     ) -> list[list[int]]:
         start = time.perf_counter()
-        if self._last_propose_end is not None:
-            self._step_cost_ema = _ema(self._step_cost_ema, start - self._last_propose_end)
         input_batch = self.runner.input_batch
         req_ids = list(input_batch.req_ids)
+        # The gap since the previous call is one verification step only while the same requests
+        # keep decoding: a changed batch means prefills, or an idle engine waiting for requests,
+        # either of which would make drafting look far cheaper than it is.
+        if self._last_propose_end is not None and req_ids == self._last_req_ids:
+            self._step_cost_ema = _ema(self._step_cost_ema, start - self._last_propose_end)
+        self._last_req_ids = req_ids
         drafts: list[list[int]] = [[] for _ in req_ids]
 
         self._observe_verification(req_ids, sampled_token_ids)
@@ -273,7 +278,8 @@ class SelfSpecProposer:
                     # Only greedy rows are still drafting at this step (the sampled rows stopped
                     # earlier or had smaller budgets): their draft distribution is one-hot.
                     probs = torch.zeros(
-                        (len(active), probs_buffer.shape[-1]), dtype=probs_buffer.dtype,
+                        (len(active), probs_buffer.shape[-1]),
+                        dtype=probs_buffer.dtype,
                         device=self.device,
                     ).scatter_(1, next_tokens.view(-1, 1), 1.0)
                 probs_buffer[torch.from_numpy(active).to(self.device), step] = probs
@@ -436,7 +442,7 @@ def _flat_overrides(extra: dict[str, Any]) -> dict[str, Any] | None:
     be strings, numbers or lists (no nested dict, and JSON ``true`` arrives as ``1``), so
     ``{"vllm_xargs": {"selfspec_num_speculative_tokens": 0}}`` is how an API client caps drafting.
     """
-    flat = {k[len(_FLAT_PREFIX):]: v for k, v in extra.items() if k.startswith(_FLAT_PREFIX)}
+    flat = {k[len(_FLAT_PREFIX) :]: v for k, v in extra.items() if k.startswith(_FLAT_PREFIX)}
     if not flat:
         return None
     adaptive = flat.get("adaptive")
