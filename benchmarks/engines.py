@@ -18,6 +18,10 @@ from typing import Any
 
 import psutil
 
+from vllm_selfspec.spec_metrics import counter_delta, read_spec_decode_counters
+
+__all__ = ["counter_delta", "read_spec_decode_counters"]
+
 WORKER_EXTENSION = "vllm_selfspec.worker_ext.SelfSpecWorkerExtension"
 
 
@@ -98,31 +102,7 @@ def _spec_counters(llm: Any) -> dict[str, Any]:
             }
         except (AttributeError, TypeError):  # pragma: no cover - other vLLM versions
             break
-    found: dict[str, Any] = {}
-    for metric in llm.get_metrics():
-        if not metric.name.startswith("vllm:spec_decode"):
-            continue
-        name = metric.name.removeprefix("vllm:spec_decode_")
-        if hasattr(metric, "values"):
-            prev = found.get(name)
-            vals = list(metric.values)
-            found[name] = vals if prev is None else [
-                a + b for a, b in zip(prev, vals, strict=False)]
-        elif hasattr(metric, "value"):
-            found[name] = found.get(name, 0) + metric.value
-    return found
-
-
-def counter_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, v in after.items():
-        b = before.get(key)
-        if isinstance(v, list):
-            b = b or [0] * len(v)
-            out[key] = [x - (b[i] if i < len(b) else 0) for i, x in enumerate(v)]
-        else:
-            out[key] = v - (b or 0)
-    return out
+    return read_spec_decode_counters(llm)
 
 
 class VllmEngine:

@@ -24,7 +24,7 @@ def read_spec_decode_counters(llm: Any) -> dict[str, Any]:
             found[name] = (
                 values
                 if previous is None
-                else [a + b for a, b in zip(previous, values, strict=True)]
+                else [a + b for a, b in zip(previous, values, strict=False)]
             )
         elif hasattr(metric, "value"):
             found[name] = found.get(name, 0) + metric.value
@@ -32,13 +32,13 @@ def read_spec_decode_counters(llm: Any) -> dict[str, Any]:
 
 
 def counter_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
-    """``after - before`` for every counter (per-position lists element-wise)."""
+    """``after - before`` for every counter (per-position lists element-wise, missing as 0)."""
     out: dict[str, Any] = {}
     for key, value in after.items():
         previous = before.get(key)
         if isinstance(value, list):
-            previous = previous or [0] * len(value)
-            out[key] = [a - b for a, b in zip(value, previous, strict=False)]
+            previous = previous or []
+            out[key] = [x - (previous[i] if i < len(previous) else 0) for i, x in enumerate(value)]
         else:
             out[key] = value - (previous or 0)
     return out

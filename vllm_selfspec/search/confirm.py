@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_selfspec.search.matchness import SkipSet
+from vllm_selfspec.spec_metrics import counter_delta, read_spec_decode_counters
 
 
 @dataclass
@@ -37,21 +38,6 @@ class EngineRun:
     spec: dict[str, Any] = field(default_factory=dict)
 
 
-def _spec_metrics(llm: Any) -> dict[str, Any]:
-    found: dict[str, Any] = {}
-    for metric in llm.get_metrics():
-        if not metric.name.startswith("vllm:spec_decode"):
-            continue
-        name = metric.name.removeprefix("vllm:spec_decode_")
-        if hasattr(metric, "values"):
-            values = list(metric.values)
-            prev = found.get(name)
-            found[name] = values if prev is None else _add(prev, values)
-        else:
-            found[name] = found.get(name, 0) + metric.value
-    return found
-
-
 def _add(a: list[Any], b: list[Any]) -> list[Any]:
     return [x + y for x, y in zip(a, b, strict=False)]
 
@@ -59,18 +45,6 @@ def _add(a: list[Any], b: list[Any]) -> list[Any]:
 def _same(a: Sequence[list[int]], b: Sequence[list[int]]) -> int:
     """How many outputs are token-identical."""
     return sum(x == y for x, y in zip(a, b, strict=True))
-
-
-def _delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in after.items():
-        prev = before.get(key)
-        if isinstance(value, list):
-            prev = prev or [0] * len(value)
-            out[key] = [a - b for a, b in zip(value, prev, strict=False)]
-        else:
-            out[key] = value - (prev or 0)
-    return out
 
 
 def acceptance_from_counters(spec: dict[str, Any], k: int) -> dict[str, float]:
@@ -107,7 +81,7 @@ def _run(
     extra: dict[str, Any] | None = None,
 ) -> EngineRun:
     params = _params(max_tokens, extra)
-    before = _spec_metrics(llm)
+    before = read_spec_decode_counters(llm)
     start = time.perf_counter()
     results = []
     for i in range(0, len(prompts), batch_size):
@@ -115,7 +89,7 @@ def _run(
     elapsed = time.perf_counter() - start
     outputs = [list(r.outputs[0].token_ids) for r in results]
     return EngineRun(outputs, sum(map(len, outputs)) / elapsed,
-                     _delta(before, _spec_metrics(llm)))
+                     counter_delta(before, read_spec_decode_counters(llm)))
 
 
 _MODES = {"off": {"num_speculative_tokens": 0}, "fixed": {"adaptive": False}, "adaptive": None}
@@ -135,7 +109,7 @@ def _run_interleaved(
         for i in range(0, len(prompts), batch_size):
             batch = list(prompts[i : i + batch_size])
             for mode, extra in _MODES.items():
-                before = _spec_metrics(llm) if mode == "fixed" else None
+                before = read_spec_decode_counters(llm) if mode == "fixed" else None
                 start = time.perf_counter()
                 results = llm.generate(batch, _params(max_tokens, extra), use_tqdm=False)
                 seconds[mode] += time.perf_counter() - start
@@ -144,7 +118,7 @@ def _run_interleaved(
                 if rep == repeats - 1:
                     outputs[mode] += out
                 if before is not None:
-                    for key, value in _delta(before, _spec_metrics(llm)).items():
+                    for key, value in counter_delta(before, read_spec_decode_counters(llm)).items():
                         if isinstance(value, list):
                             prev = counters.get(key) or [0] * len(value)
                             counters[key] = _add(prev, value)
