@@ -46,7 +46,8 @@ def _profile_file(tmp_path: Path, name: str = "smol", **kw: Any) -> Path:
 
 
 def test_draft_keys_are_the_tunable_selfspec_keys() -> None:
-    tunables = SELFSPEC_KEYS - {"skip_attention", "skip_mlp", "profile"}
+    online = {"layer_selection", "online_search", "online_profile_out"}
+    tunables = SELFSPEC_KEYS - {"skip_attention", "skip_mlp", "profile"} - online
     assert DRAFT_KEYS == tunables | {"num_speculative_tokens"}
 
 
@@ -387,6 +388,9 @@ def test_settings_round_trip_through_json() -> None:
         "draft_confidence_threshold",
         "target_acceptance",
         "draft_sampling",
+        "layer_selection",
+        "online_search",
+        "online_profile_out",
     }
 
 

@@ -10,6 +10,9 @@ a message that names the key, the value and what is allowed. The skip set comes 
 3. the shipped profile matching the model's fingerprint (:func:`find_shipped_profile`);
 4. :func:`default_skip_set`, a conservative choice from the depth alone.
 
+``layer_selection="online"`` makes that set the starting point of the on-the-fly search (see
+:mod:`vllm_selfspec.online_search`); it is the default in case 4 (nothing chose the set).
+
 Pure Python (stdlib only): importable without vLLM or torch.
 """
 
@@ -60,6 +63,7 @@ DEFAULT_DRAFT_CONFIDENCE_THRESHOLD = 0.6
 DEFAULT_TARGET_ACCEPTANCE = 0.9
 DEFAULT_DRAFT_SAMPLING = "probabilistic"
 DRAFT_SAMPLING_MODES = ("probabilistic", "argmax")
+LAYER_SELECTION_MODES = ("static", "online")
 
 SELFSPEC_KEYS = frozenset(
     {
@@ -70,6 +74,9 @@ SELFSPEC_KEYS = frozenset(
         "draft_confidence_threshold",
         "target_acceptance",
         "draft_sampling",
+        "layer_selection",
+        "online_search",
+        "online_profile_out",
     }
 )
 """The selfspec-specific keys of a speculative config (``num_speculative_tokens`` is vLLM's)."""
@@ -124,6 +131,63 @@ def _check_draft_sampling(value: object, where: str) -> str:
     return value
 
 
+def _check_layer_selection(value: object, where: str) -> str:
+    if not isinstance(value, str) or value not in LAYER_SELECTION_MODES:
+        allowed = " or ".join(repr(m) for m in LAYER_SELECTION_MODES)
+        raise SelfSpecConfigError(f"{where} must be {allowed}, got {value!r}")
+    return value
+
+
+def _check_online_search(value: object, where: str) -> dict[str, Any] | None:
+    from vllm_selfspec.online_search import OnlineSearchConfig
+
+    if value is None:
+        return None
+    try:
+        return OnlineSearchConfig.from_dict(value).to_dict()  # type: ignore[arg-type]
+    except (TypeError, ValueError) as exc:
+        raise SelfSpecConfigError(str(exc)) from None
+
+
+def _check_profile_out(value: object, where: str) -> str | None:
+    import os
+
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip().endswith(".json"):
+        raise SelfSpecConfigError(
+            f"{where} must be the path of a .json file to write the profile to, got {value!r}"
+        )
+    parent = os.path.dirname(os.path.abspath(os.path.expanduser(value))) or "."
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        raise SelfSpecConfigError(
+            f"{where}: cannot write {value!r}: folder {parent!r} does not exist or is not "
+            f"writable"
+        )
+    return value
+
+
+def _check_online_fits(online: Mapping[str, Any] | None, n_layers: int) -> None:
+    from vllm_selfspec.online_search import OnlineSearchConfig
+
+    try:
+        cfg = OnlineSearchConfig.from_dict(online)
+    except (TypeError, ValueError) as exc:
+        raise SelfSpecConfigError(str(exc)) from None
+    free = n_layers - cfg.protect_first - cfg.protect_last
+    if free < 1:
+        raise SelfSpecConfigError(
+            f"online layer selection: a {n_layers}-layer model leaves no layer to skip with "
+            f"online_search.protect_first={cfg.protect_first} and protect_last="
+            f"{cfg.protect_last}"
+        )
+    if cfg.budget is not None and cfg.budget > 2 * free:
+        raise SelfSpecConfigError(
+            f"online_search.budget={cfg.budget} exceeds the {2 * free} sub-layers the search "
+            f"may skip in a {n_layers}-layer model"
+        )
+
+
 # ------------------------------------------------------------------------------- settings
 
 
@@ -144,6 +208,9 @@ class SelfSpecSettings:
     draft_confidence_threshold: float = DEFAULT_DRAFT_CONFIDENCE_THRESHOLD
     target_acceptance: float = DEFAULT_TARGET_ACCEPTANCE
     draft_sampling: str = DEFAULT_DRAFT_SAMPLING
+    layer_selection: str = "static"
+    online_search: dict[str, Any] | None = None
+    online_profile_out: str | None = None
 
     def __post_init__(self) -> None:
         n = self.num_hidden_layers
@@ -175,6 +242,18 @@ class SelfSpecSettings:
             _check_target_acceptance(self.target_acceptance, "target_acceptance"),
         )
         _check_draft_sampling(self.draft_sampling, "draft_sampling")
+        _check_layer_selection(self.layer_selection, "layer_selection")
+        object.__setattr__(
+            self, "online_search", _check_online_search(self.online_search, "online_search")
+        )
+        _check_profile_out(self.online_profile_out, "online_profile_out")
+        if self.layer_selection != "online":
+            for key in ("online_search", "online_profile_out"):
+                if getattr(self, key) is not None:
+                    raise SelfSpecConfigError(
+                        f"{key} needs layer_selection='online' (layer_selection is "
+                        f"{self.layer_selection!r})"
+                    )
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able dict (lists instead of tuples); :meth:`from_dict` inverts it."""
@@ -209,7 +288,7 @@ class SelfSpecSettings:
             f"sub-layers ({self.source}); num_speculative_tokens={self.num_speculative_tokens}, "
             f"adaptive={self.adaptive}, draft_confidence_threshold="
             f"{self.draft_confidence_threshold}, target_acceptance={self.target_acceptance}, "
-            f"draft_sampling={self.draft_sampling}"
+            f"draft_sampling={self.draft_sampling}, layer_selection={self.layer_selection}"
         )
 
 
@@ -333,6 +412,17 @@ def resolve_settings(
                 f"(no profile matched; a searched profile would be faster)"
             )
 
+    # Online selection: asked for, or the default when nothing chose the skip set (no explicit
+    # lists, no profile given, no shipped profile matched); the chosen set is its starting point.
+    if "layer_selection" in given:
+        layer_selection = _check_layer_selection(given["layer_selection"], "layer_selection")
+    elif not lists and "profile" not in given and profile is None and n_layers >= 4:
+        layer_selection = "online"
+    else:
+        layer_selection = "static"
+    if layer_selection == "online":
+        _check_online_fits(given.get("online_search"), n_layers)
+
     draft_defaults = profile.draft if profile is not None else {}
 
     def pick(key: str, default: Any) -> tuple[Any, str]:
@@ -363,6 +453,9 @@ def resolve_settings(
             *pick("target_acceptance", DEFAULT_TARGET_ACCEPTANCE)
         ),
         draft_sampling=_check_draft_sampling(*pick("draft_sampling", DEFAULT_DRAFT_SAMPLING)),
+        layer_selection=layer_selection,
+        online_search=given.get("online_search"),
+        online_profile_out=given.get("online_profile_out"),
     )
     logger.debug("selfspec settings for %s: %s", model.describe(), settings.describe())
     return settings

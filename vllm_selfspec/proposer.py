@@ -99,6 +99,12 @@ class SelfSpecProposer:
         self._steps_since_cost_sync = 0
         self._next_log = time.monotonic() + _log_interval()
         self._bad_override_warned: set[str] = set()
+        # On-the-fly layer selection (changes skip_attention / skip_mlp between draft rounds).
+        self.online: Any = None
+        if self.settings.layer_selection == "online":
+            from vllm_selfspec.online_scoring import OnlineSelector
+
+            self.online = OnlineSelector(self)
         self.counters: dict[str, int] = {
             "steps": 0,
             "steps_with_drafts": 0,
@@ -132,6 +138,8 @@ class SelfSpecProposer:
             sorted(self.skip_mlp),
             self._forward.num_layers,
         )
+        if self.online is not None:
+            self.online.attach()
 
     @torch.inference_mode()
     def propose(
@@ -153,6 +161,8 @@ class SelfSpecProposer:
         drafts: list[list[int]] = [[] for _ in req_ids]
 
         self._observe_verification(req_ids, sampled_token_ids)
+        if self.online is not None:  # may switch the skip set, never inside a draft round
+            self.online.step(req_ids, sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
         rows, budgets = self._plan(req_ids, sampled_token_ids, num_tokens_no_spec)
         self.counters["steps"] += 1
         if rows:
@@ -429,6 +439,7 @@ class SelfSpecProposer:
             "skip_attention": sorted(self.skip_attention),
             "skip_mlp": sorted(self.skip_mlp),
             "k_max": self.k_max,
+            "online": self.online.stats() if self.online is not None else None,
         }
 
 

@@ -1,0 +1,138 @@
+"""On-the-fly layer selection in a real engine (CPU, fp32, tiny models).
+
+One plain engine (the reference) and one online engine are shared by the module; the online
+engine runs the search aggressively (every step, several candidates, short warm-up) so that it
+converges within a few hundred generated tokens.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.engine_utils import drafter_stats, engine, env, token_ids
+
+pytestmark = pytest.mark.engine
+
+ZERO = [2, 5]  # layers whose o_proj / down_proj are zero: skipping them is exact
+PROMPTS = [[5, 77, 301, 12], [9, 8, 7, 6, 5, 4, 3, 2, 1, 400, 401], [33] * 20, [100, 200, 300]]
+AGGRESSIVE = {
+    "seed": 0,
+    "overhead_share": 1.0,
+    "candidates_per_step": 4,
+    "min_tokens": 4,
+    "window": 16,
+    "budget_trials": 12,
+}
+
+
+def _zero_model():
+    from vllm_selfspec.testing.tiny_models import tiny_model_dir
+
+    return tiny_model_dir("e2e-zero", arch="llama", num_layers=8, zero_output_layers=ZERO)
+
+
+def _greedy(llm, max_tokens=96, prompts=PROMPTS):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    batch = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+    return token_ids(llm.generate(batch, params, use_tqdm=False))
+
+
+def _spec(**online):
+    return {
+        "method": "selfspec",
+        "layer_selection": "online",
+        "skip_attention": [3, 6],  # a bad starting set: real layers
+        "num_speculative_tokens": 4,
+        "online_search": {**AGGRESSIVE, **online},
+    }
+
+
+@pytest.fixture(scope="module")
+def reference():
+    with engine(_zero_model()) as llm:
+        return _greedy(llm)
+
+
+@pytest.fixture(scope="module")
+def profile_path(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("online") / "found.json")
+
+
+@pytest.fixture(scope="module")
+def online(profile_path):
+    with engine(_zero_model(), {**_spec(), "online_profile_out": profile_path}) as llm:
+        yield llm
+
+
+def _online_stats(llm):
+    return [s["online"] for s in drafter_stats(llm)]
+
+
+@pytest.fixture(scope="module")
+def first_run(online):
+    """The online engine's first requests, with the KV check armed for three scoring steps."""
+    assert online.collective_rpc("selfspec_online_arm_kv_check", args=(3,)) == [True]
+    outputs = _greedy(online)
+    return outputs, _online_stats(online)[0]
+
+
+def test_greedy_identical_while_searching(online, first_run, reference):
+    outputs, stats = first_run
+    assert stats["passes"] > 0, stats  # the search really ran during these requests
+    assert len(stats["trace"]) > 0, stats  # ... and changed the skip set
+    assert outputs == reference
+    assert _greedy(online) == reference
+
+
+def test_scoring_passes_leave_the_kv_cache_untouched(first_run):
+    _, stats = first_run
+    assert stats["kv_checks"] == 3
+    assert stats["kv_check_failures"] == 0
+
+
+def test_converges_to_the_zero_output_layers(online, profile_path):
+    for _ in range(6):
+        stats = _online_stats(online)[0]
+        if stats["state"] == "converged":
+            break
+        _greedy(online)
+    assert stats["state"] == "converged", stats
+    assert stats["skip_attention"] == ZERO and stats["skip_mlp"] == ZERO, stats
+    assert stats["matchness"] == 1.0
+    from vllm_selfspec.profiles import load_profile
+
+    profile = load_profile(profile_path)
+    assert list(profile.skip_attention) == ZERO and list(profile.skip_mlp) == ZERO
+    with open(profile_path) as f:
+        assert json.load(f)["provenance"]["converged_reason"]
+
+
+def test_kv_check_detects_writes(reference):
+    """Negative control for the KV check: scoring with real slots overwrites verified K/V."""
+    spec = _spec(min_tokens=2, candidates_per_step=1)
+    with engine(_zero_model(), spec) as llm:
+        assert llm.collective_rpc("selfspec_online_arm_kv_check", args=(2, True)) == [True]
+        _greedy(llm, max_tokens=16)
+        stats = _online_stats(llm)[0]
+    assert stats["kv_checks"] >= 1
+    assert stats["kv_check_failures"] >= 1
+
+
+def test_tensor_parallel_ranks_agree(reference):
+    with (
+        env(VLLM_CPU_OMP_THREADS_BIND="0|1"),
+        engine(_zero_model(), _spec(), tensor_parallel_size=2,
+               distributed_executor_backend="mp") as llm,
+    ):
+        assert _greedy(llm) == reference
+        ranks = _online_stats(llm)
+    assert len(ranks) == 2
+    assert ranks[0]["passes"] > 0
+    keys = ("passes", "trace", "skip_attention", "skip_mlp", "budget", "state", "matchness",
+            "steps", "candidates_scored", "score_interval")
+    assert {k: ranks[0][k] for k in keys} == {k: ranks[1][k] for k in keys}

@@ -1,0 +1,484 @@
+"""On-the-fly layer selection inside the drafter: scoring passes over verified tokens.
+
+:class:`OnlineSelector` drives :class:`~vllm_selfspec.online_search.OnlineLayerSearch` from the
+drafter. Once per engine step (between the verification of the previous drafts and the next draft
+round, never inside a round) it may score candidate skip sets: for each candidate one draft-mode
+forward over a *window* of the most recent verified tokens of the running requests, teacher-forced
+(input: the tokens at positions ``q``, target: the tokens at ``q + 1``), and matchness is the
+share of positions where the draft's argmax equals the token the engine produced.
+
+No KV is written: every scored position gets slot ``-1`` (in the attention metadata and in the
+forward context's per-layer slot mapping), which ``reshape_and_cache`` skips, so the verified
+cache is never touched. Every scored position ``q`` is ``<= n - 2`` for a request of ``n`` tokens,
+so its paged-cache slot already holds the full model's K/V.
+
+What the attention of a window reads (vLLM's CPU backend, ``cpu_attn.py``): the kernel
+``cpu_attention_with_kv_cache`` takes K/V **only from the paged cache** (the freshly computed
+key/value of the window are used solely by the cache write, skipped here). So a non-skipped
+attention layer of the draft attends, for every query position ``q``, to the full model's K/V of
+positions ``0..q`` *including* ``q`` itself. At a real draft step the diagonal K/V is the draft's
+own; here it is the full model's. The scores are therefore slightly optimistic for the first draft
+of a round (exact for every earlier position) and are computed the same way for every candidate,
+which is what the comparison needs. Backends that attend to the fresh key/value for the query
+tokens (e.g. FlashAttention after its own cache update) would use the draft's K/V on the diagonal
+instead, i.e. exactly the offline search's ``context="target"`` definition.
+
+Matchness targets are the tokens the engine emitted: for greedy requests that is the full model's
+argmax; for sampled requests it underestimates acceptance (it is still comparable across
+candidates scored on the same traffic).
+
+Tensor parallel: every rank runs the same passes (the schedule is deterministic), the logits are
+all-gathered by ``compute_logits`` so every rank computes the same scores, and timings used for
+decisions are broadcast from rank 0.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime as _dt
+import logging
+import time
+import weakref
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllm_selfspec.online_search import (
+    Candidate,
+    OnlineLayerSearch,
+    OnlineSearchConfig,
+    SubLayerCosts,
+)
+
+logger = logging.getLogger("vllm.selfspec.online")
+
+_SYNC_INTERVAL = 16  # engine steps between (TP-synchronised) timing updates of the search
+
+
+def sublayer_costs(target: torch.nn.Module, layers: Any, overhead: float = 0.1) -> SubLayerCosts:
+    """A parameter-fraction cost model: each sub-layer's weights (with its pre-norm), plus the LM
+    head and an ``overhead`` share of the step that skipping cannot remove."""
+
+    def count(*modules: Any) -> float:
+        return float(sum(p.numel() for m in modules if m is not None for p in m.parameters()))
+
+    attention = tuple(count(layer.self_attn, layer.input_layernorm) for layer in layers)
+    mlp = tuple(count(layer.mlp, layer.post_attention_layernorm) for layer in layers)
+    head = count(getattr(target, "lm_head", None))
+    weights = head + sum(attention) + sum(mlp)
+    fixed = head + overhead * weights / (1.0 - overhead)
+    return SubLayerCosts(attention, mlp, fixed)
+
+
+class OnlineSelector:
+    """Owned by a :class:`~vllm_selfspec.proposer.SelfSpecProposer` with online selection on."""
+
+    def __init__(self, proposer: Any) -> None:
+        settings = proposer.settings
+        self.proposer = proposer
+        self.config = OnlineSearchConfig.from_dict(settings.online_search)
+        self.profile_out: str | None = settings.online_profile_out
+        self.search: OnlineLayerSearch | None = None
+        self.initial = Candidate.of(proposer.skip_attention, proposer.skip_mlp)
+        self.counters: dict[str, Any] = {
+            "passes": 0,
+            "scored_positions": 0,
+            "switches": 0,
+            "overhead_s": 0.0,
+            "first_step_t": None,
+            "last_step_t": None,
+            "converged_at_step": None,
+            "profile_written": None,
+        }
+        self.trace: list[dict[str, Any]] = []  # (engine step, incumbent, matchness) per change
+        self._engine_steps = 0
+        self._pass_s: float | None = None
+        self._verify_s: float | None = None
+        self._draft_s: float | None = None
+        self._prev_step_end: float | None = None
+        self._prev_forwards = 0
+        self._kv_checks_left = 0
+        self._kv_write_slots = False
+        self._announced_convergence = False
+        self._finalizer: Any = None
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    def attach(self) -> None:
+        """After the proposer has the target (``load_model``): build the search."""
+        forward = self.proposer._forward
+        layers = forward.stack.layers
+        costs = sublayer_costs(self.proposer._target, layers)
+        self.search = OnlineLayerSearch(
+            forward.num_layers, self.proposer.k_max, self.config, costs, self.initial
+        )
+        if self.search.incumbent != self.initial:
+            self._apply(self.search.incumbent)
+        if self.profile_out and self.proposer._tp_rank == 0:
+            ref = weakref.ref(self)
+            self._finalizer = atexit.register(_write_at_exit, ref)
+        logger.info(
+            "selfspec online layer selection on TP rank %d: starting from %s; %s",
+            self.proposer._tp_rank,
+            self.search.incumbent.describe(),
+            ", ".join(f"{k}={v}" for k, v in self.config.to_dict().items()),
+        )
+
+    # ---- per step ----------------------------------------------------------------------------
+
+    def step(
+        self,
+        req_ids: list[str],
+        sampled: list[list[int]],
+        num_tokens_no_spec: np.ndarray,
+        token_ids_cpu: np.ndarray,
+    ) -> None:
+        """Called once per ``propose()`` after the verification was observed, before planning."""
+        search = self.search
+        if search is None:
+            return
+        start = time.perf_counter()
+        self._measure(start)
+        self._engine_steps += 1
+        if self.counters["first_step_t"] is None:
+            self.counters["first_step_t"] = time.time()
+        self._observe_acceptance(sampled)
+        if search.searching:
+            if self._engine_steps % _SYNC_INTERVAL == 0:
+                self._sync_timings()
+            if search.due():
+                window = self._window(sampled, num_tokens_no_spec, token_ids_cpu)
+                if window is not None:
+                    self._score(window)
+            if not search.searching and not self._announced_convergence:
+                self._on_converged()
+        self._prev_step_end = time.perf_counter()
+        self.counters["overhead_s"] += self._prev_step_end - start
+        self.counters["last_step_t"] = time.time()
+
+    def _observe_acceptance(self, sampled: list[list[int]]) -> None:
+        search = self.search
+        assert search is not None
+        if search.searching:
+            return
+        spec = self.proposer.runner.input_batch.spec_token_ids
+        drafted_total = accepted_total = 0
+        for row, out in enumerate(sampled):
+            if not out or row >= len(spec):
+                continue
+            drafted = sum(1 for t in spec[row] if t >= 0)
+            if drafted:
+                drafted_total += drafted
+                accepted_total += min(len(out) - 1, drafted)
+        if search.observe_acceptance(drafted_total, accepted_total):
+            self._announced_convergence = False
+            logger.info("selfspec online: acceptance drifted down; search restarted")
+
+    def _measure(self, now: float) -> None:
+        """Own timings from the drafter's call pattern: the previous ``propose()`` ran its draft
+        round from the end of our previous step to ``_last_propose_end`` (``draft_forwards``
+        forwards), and the engine's verification step took from then until now."""
+        p = self.proposer
+        end = getattr(p, "_last_propose_end", None)
+        forwards = int(getattr(p, "counters", {}).get("draft_forwards", 0))
+        prev_end, prev_forwards = self._prev_step_end, self._prev_forwards
+        self._prev_forwards = forwards
+        if prev_end is None or end is None or end < prev_end:
+            return
+        verify_s = now - end
+        if verify_s > 0:
+            self._verify_s = _ema(self._verify_s, verify_s)
+        if forwards > prev_forwards:
+            self._draft_s = _ema(self._draft_s, (end - prev_end) / (forwards - prev_forwards))
+
+    def _sync_timings(self) -> None:
+        p = self.proposer
+        search = self.search
+        assert search is not None
+        values = [
+            -1.0 if x is None else float(x) for x in (self._pass_s, self._verify_s, self._draft_s)
+        ]
+        if p._tp_world_size > 1:  # decisions from rank 0's clock only
+            from vllm.distributed import get_tp_group
+
+            t = torch.tensor(values, dtype=torch.float64, device=p.device)
+            t = get_tp_group().broadcast(t, src=0)
+            values = [float(x) for x in t.cpu()]
+        pass_s, step_s, draft_s = values
+        if pass_s > 0 and step_s > 0:
+            search.set_pass_cost(pass_s, step_s)
+        if draft_s > 0 and step_s > 0:
+            search.observe_costs(draft_s, step_s)
+
+    # ---- windows and scoring passes ---------------------------------------------------------
+
+    def _window(
+        self, sampled: list[list[int]], num_tokens_no_spec: np.ndarray, token_ids_cpu: np.ndarray
+    ) -> dict[str, Any] | None:
+        """The most recent verified generated tokens of the decoding requests (same on every
+        rank: it depends only on the input batch)."""
+        cfg = self.config
+        batch = self.proposer.runner.input_batch
+        rows: list[int] = []
+        starts: list[int] = []
+        lengths: list[int] = []
+        total = 0
+        for row, out in enumerate(sampled):
+            if not out:
+                continue
+            n = int(num_tokens_no_spec[row])
+            prompt = int(batch.num_prompt_tokens[row])
+            generated = n - prompt
+            if generated < max(cfg.min_tokens, 2):
+                continue
+            # inputs at q in [first, n - 2] (K/V present), targets at q + 1 (generated tokens)
+            first = max(prompt - 1, n - 1 - cfg.window)
+            length = n - 1 - first
+            length = min(length, cfg.max_window_tokens - total)
+            if length <= 0:
+                break
+            first = n - 1 - length
+            rows.append(row)
+            starts.append(first)
+            lengths.append(length)
+            total += length
+        if not rows:
+            return None
+        positions = np.concatenate(
+            [np.arange(s, s + w, dtype=np.int64) for s, w in zip(starts, lengths, strict=True)]
+        )
+        row_of_token = np.repeat(np.asarray(rows, dtype=np.int64), lengths)
+        inputs = token_ids_cpu[row_of_token, positions].astype(np.int64)
+        targets = token_ids_cpu[row_of_token, positions + 1].astype(np.int64)
+        return {
+            "rows": np.asarray(rows, dtype=np.int64),
+            "lengths": np.asarray(lengths, dtype=np.int64),
+            "positions": positions,
+            "inputs": inputs,
+            "targets": targets,
+        }
+
+    def arm_kv_check(self, count: int, write_slots: bool = False) -> None:
+        """Test hook: compare the whole paged KV cache byte for byte before and after the next
+        ``count`` scoring steps (``kv_checks`` / ``kv_check_failures`` in :meth:`stats`).
+        ``write_slots=True`` (a negative control that corrupts the cache) scores with the real
+        slots instead of -1, so the check must then fail."""
+        self._kv_checks_left = int(count)
+        self._kv_write_slots = bool(write_slots)
+        self.counters.setdefault("kv_checks", 0)
+        self.counters.setdefault("kv_check_failures", 0)
+
+    def _score(self, window: dict[str, Any]) -> None:
+        search = self.search
+        assert search is not None
+        candidates = search.next_candidates()
+        snapshot = None
+        if self._kv_checks_left > 0:
+            snapshot = [t.clone() for t in self.proposer.runner.kv_caches]
+        t0 = time.perf_counter()
+        targets = torch.from_numpy(window["targets"]).to(self.proposer.device)
+        for cand in candidates:
+            logits = score_forward(self.proposer, window, cand, write_slots=self._kv_write_slots)
+            hits = int((logits.argmax(dim=-1) == targets).sum().item())
+            positions = int(targets.numel())
+            self.counters["passes"] += 1
+            self.counters["scored_positions"] += positions
+            before = search.incumbent
+            search.report(cand, hits, positions)
+            if search.incumbent != before:
+                self._apply(search.incumbent)
+        if candidates:
+            per_step = time.perf_counter() - t0
+            self._pass_s = _ema(self._pass_s, per_step, 0.2)
+        if snapshot is not None:
+            self._kv_checks_left -= 1
+            self.counters["kv_checks"] += 1
+            after = self.proposer.runner.kv_caches
+            if len(after) != len(snapshot) or not all(
+                torch.equal(a, b) for a, b in zip(snapshot, after, strict=True)
+            ):
+                self.counters["kv_check_failures"] += 1
+
+    def _apply(self, cand: Candidate) -> None:
+        """Make ``cand`` the drafter's skip set (called between draft rounds only)."""
+        p = self.proposer
+        p.skip_attention = frozenset(cand.attention)
+        p.skip_mlp = frozenset(cand.mlp)
+        self.counters["switches"] += 1
+        assert self.search is not None
+        self.trace.append(
+            {
+                "engine_step": self._engine_steps,
+                "skip_attention": list(cand.attention),
+                "skip_mlp": list(cand.mlp),
+                "matchness": self.search.matchness(cand),
+            }
+        )
+
+    def _on_converged(self) -> None:
+        assert self.search is not None
+        self._announced_convergence = True
+        self.counters["converged_at_step"] = self._engine_steps
+        if self.proposer._tp_rank == 0:
+            summary = self.search.summary()
+            logger.info(
+                "selfspec online search converged (%s) after %d passes: %s, matchness %s, "
+                "estimated speedup %.3f",
+                summary["converged_reason"],
+                summary["steps"],
+                self.search.incumbent.describe(),
+                summary["matchness"],
+                summary["estimated_speedup"],
+            )
+            self.write_profile()
+
+    # ---- output ------------------------------------------------------------------------------
+
+    def write_profile(self, path: str | None = None) -> str | None:
+        """Write the best set found as a profile (rank 0 only); returns the path written."""
+        path = path or self.profile_out
+        if not path or self.search is None or self.proposer._tp_rank != 0:
+            return None
+        from pathlib import Path
+
+        from vllm_selfspec.engine_config import _text_config
+        from vllm_selfspec.profiles import ModelFingerprint, Profile
+
+        model_config = self.proposer.vllm_config.model_config
+        name = Path(path).name.removesuffix(".json")
+        fp = ModelFingerprint.from_hf_config(
+            _text_config(model_config), name=str(model_config.model)
+        )
+        s = self.search.summary()
+        k = int(s["draft_k"]) or self.proposer.k_max
+        profile = Profile(
+            name=name,
+            model=fp,
+            skip_attention=tuple(s["skip_attention"]),
+            skip_mlp=tuple(s["skip_mlp"]),
+            draft={"num_speculative_tokens": k},
+            provenance={
+                "method": (
+                    "selfspec online layer selection while serving: teacher-forced matchness "
+                    "over recently verified tokens (no KV writes), random + Optuna TPE "
+                    "proposals, adaptive budget, parameter-fraction cost model scaled by "
+                    "measured draft/verify step times"
+                ),
+                "source": f"live traffic, {self.counters['scored_positions']} scored positions",
+                "acceptance": None if s["matchness"] is None else round(s["matchness"], 4),
+                "date": _dt.date.today().isoformat(),
+                "estimated_acceptance": (
+                    None if s["matchness"] is None else round(s["matchness"], 4)
+                ),
+                "estimated_speedup": s["estimated_speedup"],
+                "state": s["state"],
+                "converged_reason": s["converged_reason"],
+                "passes": s["total_steps"],
+                "restarts": s["restarts"],
+                "budget": s["budget"],
+                "seed": self.config.seed,
+                "k_max": self.proposer.k_max,
+            },
+        )
+        profile.save(path)
+        self.counters["profile_written"] = str(path)
+        logger.info("selfspec online: wrote profile %s", path)
+        return str(path)
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = dict(self.counters)
+        out["engine_steps"] = self._engine_steps
+        out["initial_skip_attention"] = list(self.initial.attention)
+        out["initial_skip_mlp"] = list(self.initial.mlp)
+        out["pass_s"] = self._pass_s
+        out["verify_step_s"] = self._verify_s
+        out["draft_step_s"] = self._draft_s
+        if self.search is not None:
+            out.update(self.search.summary())
+        out["trace"] = list(self.trace)
+        return out
+
+
+def _ema(previous: float | None, value: float, weight: float = 0.1) -> float:
+    return value if previous is None else (1 - weight) * previous + weight * value
+
+
+def _write_at_exit(ref: weakref.ref) -> None:
+    selector = ref()
+    if selector is None or selector.search is None:
+        return
+    if selector.counters.get("profile_written") and not selector.search.searching:
+        return
+    try:
+        selector.write_profile()
+    except Exception as exc:  # never fail interpreter shutdown
+        logger.warning("selfspec online: could not write the profile at exit: %s", exc)
+
+
+@torch.inference_mode()
+def score_forward(
+    proposer: Any, window: dict[str, Any], cand: Candidate, write_slots: bool = False
+) -> torch.Tensor:
+    """Logits ``[tokens, vocab]`` of a draft-mode forward with skip set ``cand`` over ``window``,
+    teacher-forced, reading the paged cache and writing no KV (slot -1 everywhere).
+    ``write_slots`` (tests only) uses the positions' real slots instead, i.e. overwrites the
+    verified K/V of the window with the draft's."""
+    from vllm.forward_context import set_forward_context
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    runner = proposer.runner
+    device = proposer.device
+    rows: np.ndarray = window["rows"]
+    lengths: np.ndarray = window["lengths"]
+    positions: np.ndarray = window["positions"]
+    num = len(rows)
+    num_tokens = int(lengths.sum())
+    # the last input position of each row is n - 2, so the row's sequence length is n - 1
+    ends = np.cumsum(lengths)
+    seq_lens_np = (positions[ends - 1] + 1).astype(np.int32)
+    query_start_cpu = torch.zeros(num + 1, dtype=torch.int32)
+    query_start_cpu[1:] = torch.from_numpy(ends.astype(np.int32))
+    seq_lens_cpu = torch.from_numpy(seq_lens_np)
+    rows_t = torch.from_numpy(rows).to(device)
+    positions_t = torch.from_numpy(positions).to(device)
+    input_ids = torch.from_numpy(window["inputs"]).to(device)
+    no_slots = torch.full((num_tokens,), -1, dtype=torch.int64, device=device)
+    num_reqs = len(runner.input_batch.req_ids)
+
+    attn_metadata: dict[str, Any] = {}
+    slot_by_layer: dict[str, torch.Tensor] = {}
+    for gid, groups in enumerate(runner.attn_groups):
+        table = runner.input_batch.block_table[gid]
+        slots = no_slots
+        if write_slots:
+            block_size = table.block_size
+            row_of_token = np.repeat(rows, lengths)
+            block_ids = table.get_numpy_array()[row_of_token, positions // block_size]
+            slots = torch.from_numpy(
+                block_ids.astype(np.int64) * block_size + positions % block_size
+            ).to(device)
+        common = CommonAttentionMetadata(
+            query_start_loc=query_start_cpu.to(device),
+            query_start_loc_cpu=query_start_cpu,
+            seq_lens=seq_lens_cpu.to(device),
+            seq_lens_cpu_upper_bound=seq_lens_cpu,
+            num_reqs=num,
+            num_actual_tokens=num_tokens,
+            max_query_len=int(lengths.max()),
+            max_seq_len=int(seq_lens_np.max()),
+            block_table_tensor=table.get_device_tensor(num_reqs)[rows_t],
+            slot_mapping=slots,
+            causal=True,
+            positions=positions_t,
+        )
+        for group in groups:
+            metadata = group.build_metadata_for_drafting(common, 0)
+            for layer_name in group.layer_names:
+                attn_metadata[layer_name] = metadata
+                slot_by_layer[layer_name] = slots
+    with set_forward_context(
+        attn_metadata, proposer.vllm_config, num_tokens=num_tokens, slot_mapping=slot_by_layer
+    ):
+        hidden = proposer._forward(input_ids, positions_t, cand.attention, cand.mlp)
+    return proposer._target.compute_logits(hidden)
