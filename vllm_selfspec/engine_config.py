@@ -62,7 +62,7 @@ def rewrite_selfspec_request(
     settings = resolve_settings(own, fingerprint, num_speculative_tokens)
     logger.info(
         "selfspec: drafting with %d of %d attention and %d of %d MLP sub-layers skipped "
-        "(%s), num_speculative_tokens=%d, adaptive=%s, draft sampling=%s",
+        "(%s), num_speculative_tokens=%d, adaptive=%s, draft sampling=%s, layer selection=%s",
         len(settings.skip_attention),
         settings.num_hidden_layers,
         len(settings.skip_mlp),
@@ -71,6 +71,7 @@ def rewrite_selfspec_request(
         settings.num_speculative_tokens,
         settings.adaptive,
         settings.draft_sampling,
+        settings.layer_selection,
     )
     from vllm_selfspec.patches import PROPOSER_PATH
 
