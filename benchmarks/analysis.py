@@ -30,17 +30,23 @@ def expected_tokens(a: float, k: int) -> float:
     return (1.0 - a ** (k + 1)) / (1.0 - a)
 
 
-def ideal_speedup(a: float, r: float, k_max: int) -> tuple[float, int]:
-    """``(max_k E(k) / (k*r + 1), best k)`` over ``k = 0..k_max``; ties go to the smaller ``k``.
+def ideal_speedup(a: float, r: float, k_max: int,
+                  verify_ratio: float = 1.0) -> tuple[float, int]:
+    """``(max_k E(k) / (v(k) + k*r), best k)`` over ``k = 0..k_max``; ties go to the smaller k.
 
-    ``a``: per-token acceptance; ``r``: cost of one draft step over the cost of one verification
-    step. ``k = 0`` (no drafting) scores 1.0, so the result is never below 1.
+    ``a``: per-token acceptance; ``r``: cost of one draft forward over the cost of one plain
+    decoding step; ``verify_ratio``: cost of a step verifying ``k_max`` drafts per request over a
+    plain step, ``v(k)`` its linear interpolation (``v(0) = 1``; 1.0 everywhere: verification
+    free). ``k = 0`` (no drafting) scores 1.0, so the result is never below 1.
     """
     if r < 0 or not math.isfinite(r):
         raise ValueError(f"cost ratio must be finite and >= 0, got {r}")
+    if verify_ratio <= 0 or not math.isfinite(verify_ratio):
+        raise ValueError(f"verify ratio must be finite and > 0, got {verify_ratio}")
     best, best_k = 1.0, 0
     for k in range(1, int(k_max) + 1):
-        s = expected_tokens(a, k) / (k * r + 1.0)
+        v = 1.0 + (verify_ratio - 1.0) * k / int(k_max)
+        s = expected_tokens(a, k) / (v + k * r)
         if s > best * (1 + 1e-12):
             best, best_k = s, k
     return best, best_k
@@ -160,16 +166,22 @@ def summarize(runs: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
         elif spec is not None and k:
             row["acceptance"] = None
             row["mean_draft_length"] = 0.0
-        costs = [
-            (g["drafter"]["draft_cost_s"], g["drafter"]["step_cost_s"])
-            for g in ok
-            if g.get("drafter") and g["drafter"].get("draft_cost_s") and
-            g["drafter"].get("step_cost_s")
-        ]
+        costs, verify_ratios = [], []
+        for g in ok:
+            d = g.get("drafter") or {}
+            c_p = plain_step.get((_cell_key(g["cell"]), g.get("group", 0), g["rep"]))
+            base = c_p or d.get("plain_step_s") or d.get("step_cost_s")
+            if d.get("draft_cost_s") and base:
+                costs.append((d["draft_cost_s"], base))
+            verify_k = (d.get("verify_cost_s") or {}).get(f"{k:g}") if k else None
+            if verify_k and base:
+                verify_ratios.append(verify_k / base)
         if costs:
             row["cost_ratio"] = _median([d / s for d, s in costs])
             row["draft_step_ms"] = _median([1e3 * d for d, _ in costs])
-            row["verify_step_ms"] = _median([1e3 * s for _, s in costs])
+            row["plain_step_ms"] = _median([1e3 * s for _, s in costs])
+        if verify_ratios:
+            row["verify_cost_ratio"] = _median(verify_ratios)
         walls = []
         for g in ok:
             d = g.get("drafter") or {}
@@ -201,8 +213,9 @@ def add_ideal(rows: list[dict[str, Any]]) -> None:
 
     The ideal of a skip set in a cell comes from the fixed-k run of the same skip set (its
     ``ideal_source``, a method name; rows without one get no ideal): ``a`` = its per-token
-    acceptance, ``r`` = its measured draft/verify cost ratio,
-    ``k_max`` = its k. Efficiency = achieved ratio (median) / ideal.
+    acceptance, ``r`` = its measured draft-forward / plain-step cost ratio, ``verify_ratio`` =
+    its measured cost of verifying ``k`` drafts per request over a plain step (1.0 when not
+    measured), ``k_max`` = its k. Efficiency = achieved ratio (median) / ideal.
     """
     by_key = {(_cell_key(r), r["method"]): r for r in rows}
     for row in rows:
@@ -215,7 +228,7 @@ def add_ideal(rows: list[dict[str, Any]]) -> None:
         a, r, k = src.get("per_token_acceptance"), src.get("cost_ratio"), src.get("k")
         if a is None or r is None or not k:
             continue
-        ideal, best_k = ideal_speedup(a, r, k)
+        ideal, best_k = ideal_speedup(a, r, k, src.get("verify_cost_ratio") or 1.0)
         row["ideal_speedup"] = ideal
         row["ideal_k"] = best_k
         if row.get("ratio_median"):
@@ -256,7 +269,8 @@ COLUMNS: list[tuple[str, str]] = [
     ("acceptance", "accept"),
     ("mean_accepted_length", "mean acc. len"),
     ("per_position_acceptance", "per-position acceptance"),
-    ("cost_ratio", "draft/verify cost"),
+    ("cost_ratio", "draft/plain cost"),
+    ("verify_cost_ratio", "verify k/plain cost"),
     ("cost_ratio_wall", "r (wall)"),
     ("ideal_speedup", "ideal"),
     ("efficiency", "efficiency"),
@@ -285,7 +299,7 @@ def _fmt(key: str, row: Mapping[str, Any]) -> str:
     if key == "temperature":
         return f"{v:g}"
     if isinstance(v, float):
-        return f"{v:.3f}" if key.startswith("cost_ratio") else f"{v:.2f}"
+        return f"{v:.3f}" if "cost_ratio" in key else f"{v:.2f}"
     return str(v).replace("|", "\\|")
 
 

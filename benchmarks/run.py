@@ -501,11 +501,13 @@ def render_markdown(result: dict[str, Any]) -> str:
               "repetition, median [min, max] over repetitions; `accept` = accepted / drafted "
               "tokens; `mean acc. len` = tokens per verification (1 + accepted / draft rounds); "
               "`per-position acceptance` = accepted at position i / draft rounds; "
-              "`draft/verify cost` = one draft forward over one verification step (selfspec "
-              "drafter's timers, EMAs at the end of each run); `r (wall)` = the same ratio "
-              "inferred from wall times (see docs/benchmarks.md); `ideal` = max_k E(k)/(k r + 1) "
-              "from the fixed-k run's per-token acceptance and cost ratio r; `efficiency` = "
-              "achieved / ideal; "
+              "`draft/plain cost` = r, one draft forward over one plain decoding step (draft: "
+              "the selfspec drafter's timers, medians of the last samples; plain: the plain "
+              "run's wall time per step); `verify k/plain cost` = v, a step verifying k drafts "
+              "per request over a plain step (drafter's timers); `r (wall)` = r inferred from "
+              "wall times assuming free verification (see docs/benchmarks.md); `ideal` = "
+              "max_j E(j)/(v(j) + j r), v interpolated linearly from 1 at j = 0, from the "
+              "fixed-k run's per-token acceptance, r and v; `efficiency` = achieved / ideal; "
               "`drafting off` = share of request-steps the controller planned 0 drafts; "
               "`peak RSS` = resident memory of the engine's processes; `greedy identical` = "
               "outputs equal to plain vLLM's.", ""]
@@ -513,7 +515,7 @@ def render_markdown(result: dict[str, Any]) -> str:
 
 
 def _drafter_delta(before: dict, after: dict) -> dict[str, Any]:
-    out = {"draft_cost_s": after.get("draft_cost_s"), "step_cost_s": after.get("step_cost_s")}
+    out = {key: after.get(key) for key in ("draft_cost_s", "plain_step_s", "verify_cost_s")}
     for key in ("steps", "steps_with_drafts", "draft_forwards", "draft_tokens",
                 "rows_considered", "rows_drafting", "rows_off"):
         if key in after:

@@ -319,44 +319,47 @@ def test_wall_cost_ratio():
 
 def test_batch_aware_budget():
     from vllm_selfspec.controller import ControllerConfig, DraftLengthController
+    from vllm_selfspec.step_costs import StepCosts
 
-    def ctl(**kw):
-        c = DraftLengthController(ControllerConfig(k_max=4, **kw))
-        c.observe_step_costs(batch_size=32, draft_step_s=0.2, verify_step_s=1.0)
-        return c
-
+    # batch 32: a draft forward costs 0.2 plain steps, verification is free
+    c = DraftLengthController(ControllerConfig(k_max=4, explore_interval=0))
+    c.set_step_costs(StepCosts(verify={(1, 0.0): 1.0, (32, 0.0): 1.0},
+                               draft={1: 0.2, 32: 0.2}))
     # one request with a = 0.35 and 31 that do not draft: alone it would draft (a > r = 0.2),
     # but its gain does not pay for 32 requests waiting
-    c = ctl()
     ids = [f"r{i}" for i in range(32)]
     c.plan(ids)
     for i, rid in enumerate(ids):
         st = c._states[rid]
         st.acc_count, st.try_count = (0.35, 1.0) if i == 0 else (0.0, 1.0)
     assert best_draft_length(0.35, 0.2, 4) >= 1
+    assert c.plan(["r0"])[0] >= 1
     assert c.plan(ids) == [0] * 32
+    assert not c._states["r0"].off  # left out of the batch's plan, not switched off
     # drafts that land for everyone: the batch drafts
     for rid in ids:
         c._states[rid].acc_count = c._states[rid].try_count = 1.0
     assert c.plan(ids) == [4] * 32
-    # switched off: per-request budgets as before
-    c2 = ctl(batch_aware=False)
-    c2.plan(ids)
-    for i, rid in enumerate(ids):
-        st = c2._states[rid]
-        st.acc_count, st.try_count = (0.35, 1.0) if i == 0 else (0.0, 1.0)
-    assert c2.plan(ids)[0] >= 1
 
 
 def test_probe_interval_is_cost_aware():
     from vllm_selfspec.controller import ControllerConfig, DraftLengthController
+    from vllm_selfspec.step_costs import StepCosts
 
     c = DraftLengthController(ControllerConfig(k_max=4, probe_interval=4,
-                                               max_probe_interval=256))
-    assert c._min_probe_interval(0.65) == 0  # nothing measured: the configured schedule
-    c.observe_step_costs(batch_size=1, draft_step_s=0.65, verify_step_s=1.0)
-    assert c._min_probe_interval(0.65) == 65  # 2 * 0.65 / 0.02
-    assert c._min_probe_interval(100.0) == 256
+                                               max_probe_interval=256, explore_interval=0))
+    assert c._min_probe_interval() == 0  # nothing measured: the configured schedule
+    # a probe of 2 drafts: 2 draft forwards of 0.3 plus 0.1 of extra verification = 0.7
+    c.set_step_costs(StepCosts(verify={(1, 0.0): 1.0, (1, 2.0): 1.1}, draft={1: 0.3}))
+    assert c._min_probe_interval() == 35  # 0.7 / 0.02
+    c.set_step_costs(StepCosts(verify={(1, 0.0): 1.0}, draft={1: 100.0}))
+    assert c._min_probe_interval() == 4096  # the cost bound is capped, far above the schedule
+    # in a batch of 32, the probes of 32 off requests share one budget; a one-row draft
+    # forward of 0.3 is 0.1 of a plain step of 32 (3.0): 32 * 0.2 / 0.02 = 320
+    c.set_step_costs(StepCosts(verify={(32, 0.0): 3.0}, draft={1: 0.3}))
+    assert c._min_probe_interval(32, 32) == 320
+    assert c._min_probe_interval(32, 1) == 10
+    c.set_step_costs(StepCosts(verify={(1, 0.0): 1.0, (1, 2.0): 1.1}, draft={1: 0.3}))
     plans = []
     for _ in range(80):  # drafts never land
         (k,) = c.plan(["r"])
@@ -364,4 +367,5 @@ def test_probe_interval_is_cost_aware():
         c.observe_verification("r", drafted=k, accepted=0)
     off = plans.index(0)
     probes = [i for i, k in enumerate(plans) if i > off and k]
-    assert probes and probes[0] - off >= 64
+    assert probes and probes[0] - off >= 34
+

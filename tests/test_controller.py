@@ -15,10 +15,22 @@ from vllm_selfspec.controller import (
     expected_tokens,
     validate_request_overrides,
 )
+from vllm_selfspec.step_costs import StepCosts, bucket
 
 
 def make(k_max: int = 8, **kw) -> DraftLengthController:
+    """A controller; plain-step exploration off unless asked for (it has its own tests)."""
+    kw.setdefault("explore_interval", 0)
     return DraftLengthController(ControllerConfig(k_max=k_max, **kw))
+
+
+def costs(draft: float, plain: float = 1.0, slope: float = 0.0, batch: int = 1,
+          k_max: int = 8) -> StepCosts:
+    """A cost table: plain step ``plain``, verification ``plain + slope * x`` for ``x`` drafts
+    per request, draft forward ``draft`` (all in the batch's bucket)."""
+    b = bucket(batch)
+    return StepCosts(verify={(b, float(x)): plain + slope * x for x in range(k_max + 1)},
+                     draft={b: draft})
 
 
 def threshold(ctl: DraftLengthController, req: str) -> float:
@@ -68,7 +80,7 @@ def test_threshold_holds_when_drafting_hit_k_max() -> None:
 
 def test_threshold_holds_when_drafting_hit_planned_budget() -> None:
     ctl = make()
-    ctl.observe_step_costs(batch_size=1, draft_step_s=0.6, verify_step_s=1.0)
+    ctl.set_step_costs(costs(draft=0.6))
     for _ in range(5):
         ctl.observe_verification("r", drafted=8, accepted=5)
     ctl._states["r"].m = 0.95  # recent acceptance above target
@@ -159,12 +171,12 @@ def test_cost_ratio_high_gives_small_k() -> None:
     ctl = make()
     for _ in range(20):
         ctl.observe_verification("r", drafted=8, accepted=8)
-    ctl.observe_step_costs(batch_size=1, draft_step_s=0.01, verify_step_s=0.01, verify_tokens=9)
+    ctl.set_step_costs(costs(draft=1.0))
     assert ctl.plan(["r"]) == [0]  # draft as costly as verify: drafting never pays
     ctl = make()
     for _ in range(20):
         ctl.observe_verification("r", drafted=7, accepted=6)
-    ctl.observe_step_costs(batch_size=1, draft_step_s=0.006, verify_step_s=0.01)
+    ctl.set_step_costs(costs(draft=0.6))
     assert 0 < ctl.plan(["r"])[0] <= 3
 
 
@@ -172,32 +184,114 @@ def test_cost_ratio_tiny_and_high_acceptance_gives_k_max() -> None:
     ctl = make()
     for _ in range(20):
         ctl.observe_verification("r", drafted=8, accepted=8)
-    ctl.observe_step_costs(batch_size=1, draft_step_s=1e-5, verify_step_s=0.01)
+    ctl.set_step_costs(costs(draft=1e-3))
     assert ctl.plan(["r"]) == [8]
 
 
-def test_cost_ratio_is_per_batch_size_bucket() -> None:
+def test_verification_cost_limits_drafting() -> None:
+    """Drafts cheap and landing 90% of the time: free verification drafts to the cap, a
+    verification that grows with the drafts it checks makes drafting shorter, then pointless."""
+    def plan(slope: float) -> int:
+        ctl = make()
+        for _ in range(30):
+            ctl.observe_verification("r", drafted=8, accepted=7)  # a = 7/8
+        ctl.set_step_costs(costs(draft=0.02, slope=slope))
+        return ctl.plan(["r"])[0]
+
+    free, some, steep = plan(0.0), plan(0.15), plan(1.0)
+    assert free == 8
+    assert 0 < some < 8
+    assert steep == 0
+
+
+def test_verification_jump_counts() -> None:
+    """A verification of any drafts costing 3 plain steps (a slow multi-token path) while each
+    extra token is free: only long drafts of landing tokens pay."""
     ctl = make()
-    ctl.observe_step_costs(batch_size=1, draft_step_s=0.001, verify_step_s=0.01)
-    ctl.observe_step_costs(batch_size=64, draft_step_s=0.009, verify_step_s=0.01)
-    assert ctl.cost_ratio(1) == pytest.approx(0.1)
-    assert ctl.cost_ratio(60) == pytest.approx(0.9)
-    assert ctl.cost_ratio(2) == pytest.approx(0.1)  # nearest measured bucket
+    verify = {(1, 0.0): 1.0, **{(1, float(x)): 3.0 for x in range(1, 9)}}
+    ctl.set_step_costs(StepCosts(verify=verify, draft={1: 0.01}))
+    for _ in range(30):
+        ctl.observe_verification("r", drafted=8, accepted=8)
+    assert ctl.plan(["r"]) == [8]
+    for _ in range(30):
+        ctl.observe_verification("r", drafted=8, accepted=3)  # a ~ 0.75: E(8) ~ 3.6 > 3.08
+    k = ctl.plan(["r"])[0]
+    assert k >= 6
+    for _ in range(30):
+        ctl.observe_verification("r", drafted=8, accepted=1)  # a ~ 0.5: E < 2 < 3
+    assert ctl.plan(["r"]) == [0]
+
+
+def test_costs_are_per_batch_size_bucket() -> None:
+    ctl = make()
+    verify = {(1, 0.0): 1.0, (1, 8.0): 1.0, (64, 0.0): 1.0, (64, 8.0): 9.0}
+    ctl.set_step_costs(StepCosts(verify=verify, draft={1: 0.05, 64: 0.3}))
+    assert ctl.cost_ratio(1) == pytest.approx(0.05)
+    assert ctl.cost_ratio(64) == pytest.approx(0.3)
+    assert ctl.verify_cost_ratio(64) == pytest.approx(9.0)
+    assert ctl.verify_cost_ratio(2) == pytest.approx(1.0)  # nearest measured bucket
     assert make().cost_ratio(4) == 0.5  # prior
     ids = [f"r{i}" for i in range(64)]
     assert ctl.plan(["r0"])[0] > 0
+    # in a batch of 64 verifying 8 drafts each costs 9 plain steps: no k pays for a = 0.85
     assert ctl.plan(ids) == [0] * 64
+    assert not any(ctl._states[r].off for r in ids)  # left out of the plan, not off
 
 
-def test_cost_ratio_ema_and_bad_measurements_ignored() -> None:
-    ctl = make(cost_ema=0.5)
-    ctl.observe_step_costs(batch_size=4, draft_step_s=0.2, verify_step_s=1.0)
-    ctl.observe_step_costs(batch_size=4, draft_step_s=0.4, verify_step_s=1.0)
-    assert ctl.cost_ratio(4) == pytest.approx(0.3)
-    ctl.observe_step_costs(batch_size=4, draft_step_s=0.4, verify_step_s=0.0)
-    ctl.observe_step_costs(batch_size=4, draft_step_s=math.nan, verify_step_s=1.0)
-    ctl.observe_step_costs(batch_size=0, draft_step_s=0.4, verify_step_s=1.0)
-    assert ctl.cost_ratio(4) == pytest.approx(0.3)
+def test_plain_step_exploration() -> None:
+    ctl = make(explore_interval=64)
+    for _ in range(5):
+        ctl.observe_verification("r", drafted=8, accepted=8)
+    plans = [ctl.plan(["r"])[0] for _ in range(40)]
+    # the first plan of a batch size measures a plain step; while the cost table has no plain
+    # step of that size, one every 8 drafting steps
+    assert [i for i, k in enumerate(plans) if k == 0] == [0, 9, 18, 27, 36]
+    # once measured: one plain step every explore_interval drafting steps
+    ctl = make(explore_interval=8)
+    ctl.set_step_costs(costs(draft=0.01))
+    for _ in range(5):
+        ctl.observe_verification("r", drafted=8, accepted=8)
+    plans = [ctl.plan(["r"])[0] for _ in range(30)]
+    assert [i for i, k in enumerate(plans) if k == 0] == [0, 9, 18, 27]
+    assert ctl.stats()["explorations"] == 4
+    assert ctl.stats()["drafting_off_share"] == 0.0  # exploring is not "drafting off"
+    # another batch size has its own schedule: its first plan explores
+    assert ctl.plan(["r", "s", "t"]) == [0, 0, 0]
+    # a step that drafts anyway (a probe, a fixed budget) is not made plain
+    assert not ctl._explore_due(1, [(0.5, 2)])
+    assert not make(explore_interval=0)._explore_due(1, [])
+
+
+def test_calibrated_exit_floor() -> None:
+    ctl = make()
+    ctl.plan(["r"])
+    assert ctl.exit_threshold("r") == pytest.approx(0.6)
+    # drafts of any confidence land: the floor goes down where there is evidence
+    for _ in range(200):
+        conf = [0.95, 0.75, 0.55, 0.35]
+        ctl.observe_verification("r", drafted=4, accepted=4, confidences=conf)
+    assert ctl.stats()["exit_threshold_floor"] == pytest.approx(0.3)
+    assert ctl.exit_threshold("r") == pytest.approx(0.3)
+    assert not ctl.should_stop("r", 0.4)
+    assert ctl.should_stop("r", 0.2)
+    # low-confidence drafts start failing: the floor rises back above them
+    for _ in range(400):
+        ctl.observe_verification("r", drafted=4, accepted=2, confidences=[0.95, 0.75, 0.35, 0.3])
+    assert ctl.stats()["exit_threshold_floor"] >= 0.4
+    assert ctl.should_stop("r", 0.35)
+    # the top bin not qualifying leaves the paper's threshold alone
+    bad = make()
+    bad.plan(["r"])
+    for _ in range(200):
+        bad.observe_verification("r", drafted=2, accepted=0, confidences=[0.99, 0.99])
+    assert bad.stats()["exit_threshold_floor"] == 1.0
+    assert bad.exit_threshold("r") == threshold(bad, "r")
+    # switched off: the paper's threshold only
+    off = make(calibrated_exit=False)
+    off.plan(["r"])
+    for _ in range(200):
+        off.observe_verification("r", drafted=4, accepted=4, confidences=[0.35] * 4)
+    assert off.exit_threshold("r") == threshold(off, "r")
 
 
 # ---- edge cases ---------------------------------------------------------------------------------
@@ -224,6 +318,7 @@ def test_acceptance_exactly_zero_and_one() -> None:
     assert ctl._states["zero"].acceptance == pytest.approx(0.0, abs=1e-12)
     assert ctl._states["one"].acceptance == pytest.approx(1.0, abs=1e-9)
     ctl._states["one"].acc_count = ctl._states["one"].try_count  # exactly 1
+    ctl.set_step_costs(costs(draft=0.1, batch=2))
     assert ctl.plan(["zero", "one"]) == [0, 8]
     stats = ctl.stats()
     assert all(math.isfinite(v) for v in stats.values())
@@ -256,7 +351,7 @@ def test_adaptive_off() -> None:
     ctl = make(adaptive=False)
     for _ in range(30):
         ctl.observe_verification("r", drafted=8, accepted=0)
-    ctl.observe_step_costs(batch_size=2, draft_step_s=1.0, verify_step_s=1.0)
+    ctl.set_step_costs(costs(draft=1.0, batch=2))
     assert ctl.plan(["r", "s"]) == [8, 8]
     assert not ctl.should_stop("r", 0.0)
 
@@ -333,29 +428,30 @@ def _drive(ctl: DraftLengthController, seed: int) -> list[list[int]]:
                 if ctl.should_stop(req, rng.random()):
                     break
             ctl.observe_verification(req, drafted=made, accepted=rng.randint(0, made))
-        ctl.observe_step_costs(batch_size=len(active) or 1, draft_step_s=rng.uniform(1, 5) * 1e-3,
-                               verify_step_s=1e-2, verify_tokens=step)
+        if step % 16 == 0:
+            ctl.set_step_costs(costs(draft=rng.uniform(1, 5) * 1e-3, plain=1e-2, slope=1e-3,
+                                     batch=len(active) or 1))
     return plans
 
 
 def test_determinism() -> None:
-    a, b = make(), make()
+    a, b = make(explore_interval=16), make(explore_interval=16)
     assert _drive(a, 7) == _drive(b, 7)
     assert a.stats() == b.stats()
 
 
 def test_stats_and_window() -> None:
     ctl = make()
+    ctl.set_step_costs(costs(draft=0.001, plain=0.01, batch=2))
     ctl.plan(["a", "b"], overrides={"b": {"num_speculative_tokens": 0}})
     ctl.observe_verification("a", drafted=4, accepted=3)
-    ctl.observe_step_costs(batch_size=2, draft_step_s=0.001, verify_step_s=0.01, verify_tokens=5)
     s = ctl.stats()
     assert all(isinstance(v, int | float) and not isinstance(v, bool) for v in s.values())
     assert s["drafting_off_share"] == 0.5
     assert s["mean_planned_draft_len"] > 0
     assert s["acceptance_rate"] == 0.75
     assert s["num_requests"] == 2
-    assert s["mean_verify_tokens"] == 5
+    assert s["plain_step_s"] == 0.01 and s["cost_ratio"] == pytest.approx(0.1)
     assert 0 < s["mean_threshold"] < 1 and 0 < s["mean_acceptance_estimate"] <= 1
     ctl.reset_stats_window()
     s = ctl.stats()

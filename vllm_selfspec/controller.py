@@ -18,40 +18,48 @@ Two mechanisms, both per request:
    budget says nothing about the threshold.
 
 2. **Cost-aware budget** (beyond the paper). A per-token acceptance estimate ``a`` (discounted
-   counts of accepted / tried draft positions, with an optimistic prior) and the measured cost
-   ratio ``r = c_draft / c_verify`` give the expected tokens per unit time of ``k`` drafts::
+   counts of accepted / tried draft positions, with an optimistic prior) gives the expected tokens
+   of ``k`` drafts, ``E(k) = (1 - a**(k+1)) / (1 - a)`` (``k + 1`` when ``a == 1``). The costs are
+   measured, not assumed (:mod:`vllm_selfspec.step_costs`, medians of recent samples): a plain
+   decoding step of the batch,
+   a verification step as a function of the draft tokens it verifies (verification is *not* free:
+   on a CPU it grows almost linearly with the tokens), and a draft forward as a function of its
+   rows. A step of ``B`` requests in which request ``i`` drafts ``k_i`` tokens yields
+   ``sum_i E(a_i, k_i)`` tokens in ``c_verify(B, sum k_i) + sum_j c_draft(rows drafting at j)``;
+   :meth:`DraftLengthController.plan` picks the drafting requests (highest ``a`` first) and their
+   common cap ``K`` that maximise tokens per second, against ``B / c_plain(B)`` for no drafting.
+   A request whose drafts do not pay even when it is alone (``B = 1`` costs) is "off": it drafts
+   nothing and is re-probed with a small budget every ``probe_interval`` of its steps, the
+   interval doubling (up to ``max_probe_interval``) while probes keep failing, and never more often
+   than keeps all probes of the batch within a ``probe_overhead`` share of the time (the batch
+   waits for a probe's draft forwards). A request merely left out of one step's
+   plan (its gain does not pay for the batch waiting on its draft forwards) is not off.
 
-       E(k) = (1 - a**(k+1)) / (1 - a)   (k + 1 when a == 1),   time(k) = k*r + 1
+3. **Plain-step exploration** (``explore_interval``). The plain-step cost of a batch size is the
+   baseline of every decision, but an engine that always drafts never measures it: the first
+   plan for a batch-size bucket, and then one plan every ``explore_interval`` drafting steps of
+   that bucket, drafts nothing (about 1.5% of the steps with the default 64); until the cost table
+   has a plain step of that size (3 samples), one every 8 drafting steps.
 
-   :meth:`plan` picks the ``k`` maximising ``E(k) / time(k)``; ``k = 0`` scores exactly 1. A request
-   for which no ``k > 0`` wins drafts nothing ("drafting off") and is re-probed with a small
-   budget every ``probe_interval`` of its steps, the interval doubling (up to
-   ``max_probe_interval``) while probes keep failing.
-
-3. **Engine-wide acceptance prior** (``engine_prior``). A new request's acceptance estimate starts
+4. **Engine-wide acceptance prior** (``engine_prior``). A new request's acceptance estimate starts
    from the engine-wide per-token acceptance (discounted counts over every verification of every
    request) instead of the fixed optimistic ``prior_acceptance``, which is used only until the
    engine's first verification. A new request for which that prior already rules drafting out
    starts with drafting off, with the probe interval that failing probes last reached (reset to
    ``probe_interval`` when a probe brings a request back). Without this every new request re-paid
-   the learning on a skip set whose drafts never land: a few wasted draft rounds before its own
-   estimate turned it off (measured on SmolLM2-135M with a bad skip set: ~5 draft forwards per
-   48-token request, ~9% of the time at batch 1). The draft-exit threshold still starts at
-   ``initial_threshold`` for every request.
+   the learning on a skip set whose drafts never land (measured on SmolLM2-135M with a bad skip
+   set: ~5 draft forwards per 48-token request, ~9% of the time at batch 1).
 
-4. **Batch-aware budget** (``batch_aware``). A draft forward runs over all drafting rows of a step
-   and the whole batch waits for it, so :meth:`plan` finally clips the adaptive budgets of a step
-   to the common cap ``K`` maximising ``(B + sum_i (E(a_i, min(k_i, K)) - 1)) / (1 + K r)``
-   (``K = 0``: nobody drafts). Per request, ``a`` just above ``r`` says "draft"; in a batch of 32
-   that one request's gain does not pay for 32 requests waiting (measured on SmolLM2-135M with a
-   bad skip set: 0.75-0.8x plain at batch 32 before this rule).
-
-5. **Cost-aware probe interval** (``probe_overhead``). A probe costs about
-   ``probe_budget * r`` verification steps, so once ``r`` has been measured a request that is off
-   probes at most every ``probe_budget * r / probe_overhead`` steps (at most
-   ``max_probe_interval``): probing, the insurance against a workload change, costs at most ~2% of
-   the time. With ``r = 0.65`` (SmolLM2-135M, bad skip set, batch 1) the fixed 16-step interval
-   cost ~8%.
+5. **Calibrated draft-exit floor** (``calibrated_exit``). The Draft & Verify threshold moves by
+   ``0.1 * eps`` per verification, so with drafts that always land it takes hundreds of steps to
+   stop exiting early (measured: mean accepted length 3.4 of 5 on a model whose drafts are always
+   right). Every verified draft position also records the draft's top-1 probability and whether
+   it was accepted, engine-wide, in ``calibration_bins`` probability bins. The exit threshold a
+   request uses is ``min(th, floor)``, where ``floor`` is the lower edge of the lowest bin of the
+   run of well-measured bins, from the top, whose acceptance is at least ``target_acceptance``
+   (bins with too little data are passed over; 1.0 when no bin qualifies: then the paper's
+   threshold alone decides). Drafts of
+   0.3 confidence that land 95% of the time no longer stop a round.
 
 Everything is deterministic: the same sequence of calls gives the same plans on every
 tensor-parallel rank, provided every rank is given the same cost figures (measure on one rank and
@@ -65,6 +73,10 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
+
+from vllm_selfspec.step_costs import StepCosts, bucket
 
 logger = logging.getLogger("vllm.selfspec.controller")
 
@@ -123,29 +135,33 @@ class ControllerConfig:
     prior_acceptance: float = 0.85  # optimistic per-token acceptance of a new request
     prior_weight: float = 2.0  # pseudo-trials behind the prior
     acceptance_decay: float = 0.7  # discount of old counts per verification
-    prior_cost_ratio: float = 0.5  # r before any measurement
-    cost_ema: float = 0.2  # weight of a new cost measurement
+    prior_cost_ratio: float = 0.5  # a draft forward in plain steps, before any measurement
     probe_interval: int = 16
     max_probe_interval: int = 256
     probe_budget: int = 2
     engine_prior: bool = True  # new requests start from the engine-wide acceptance estimate
     engine_acceptance_decay: float = 0.95  # discount of engine-wide counts per verification
-    batch_aware: bool = True  # clip a step's budgets to what pays for the whole batch
     probe_overhead: float = 0.02  # probes of a request cost at most this share of its time
+    explore_interval: int = 64  # drafting steps of a batch-size bucket between plain steps
+    calibrated_exit: bool = True  # lower the exit threshold where drafts are known to land
+    calibration_bins: int = 10
+    calibration_min_count: float = 8.0  # discounted verified drafts a bin needs to be trusted
+    calibration_decay: float = 0.998  # discount of the calibration counts per verified draft
 
     def __post_init__(self) -> None:
         if isinstance(self.k_max, bool) or not isinstance(self.k_max, int) or self.k_max < 1:
             raise ValueError(f"k_max must be an int >= 1, got {self.k_max!r}")
         for name in ("initial_threshold", "target_acceptance", "threshold_momentum", "m_decay",
-                     "prior_acceptance", "acceptance_decay", "engine_acceptance_decay"):
+                     "prior_acceptance", "acceptance_decay", "engine_acceptance_decay",
+                     "calibration_decay"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)!r}")
-        if not 0.0 < self.cost_ema <= 1.0:
-            raise ValueError(f"cost_ema must be in (0, 1], got {self.cost_ema!r}")
         if self.eps < 0 or self.prior_weight <= 0 or self.prior_cost_ratio < 0:
             raise ValueError("need eps >= 0, prior_weight > 0 and prior_cost_ratio >= 0")
         if not 1 <= self.probe_interval <= self.max_probe_interval or self.probe_budget < 1:
             raise ValueError("need 1 <= probe_interval <= max_probe_interval and probe_budget >= 1")
+        if self.explore_interval < 0 or self.calibration_bins < 1:
+            raise ValueError("need explore_interval >= 0 and calibration_bins >= 1")
 
 
 @dataclass
@@ -158,7 +174,7 @@ class _RequestState:
     adaptive: bool = True
     cap: int = 0
     threshold_overridden: bool = False
-    off: bool = False  # drafting switched off by the cost model
+    off: bool = False  # drafting switched off: its drafts do not pay even alone
     off_steps: int = 0
     interval: int = 0
     probing: bool = False  # the last plan was a probe
@@ -174,11 +190,10 @@ class _Window:
     planned_drafts: int = 0
     planned_off: int = 0
     probes: int = 0
+    explorations: int = 0
     verifications: int = 0
     drafted: int = 0
     accepted: int = 0
-    cost_observations: int = 0
-    verify_tokens: int = 0
 
 
 def expected_tokens(a: float, k: int) -> float:
@@ -188,8 +203,18 @@ def expected_tokens(a: float, k: int) -> float:
     return (1.0 - a ** (k + 1)) / (1.0 - a)
 
 
+def _expected_tokens_array(a: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """:func:`expected_tokens` element-wise (``a`` and ``k`` broadcast)."""
+    a = np.clip(np.asarray(a, dtype=np.float64), 0.0, 1.0)
+    k = np.asarray(k, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        geometric = (1.0 - a ** (k + 1.0)) / (1.0 - a)
+    return np.where(a >= 1.0, k + 1.0, geometric)
+
+
 def best_draft_length(a: float, r: float, cap: int) -> int:
-    """The ``k`` in ``0..cap`` maximising ``E(k) / (k*r + 1)``; ties go to the smaller ``k``."""
+    """The ``k`` in ``0..cap`` maximising ``E(k) / (k*r + 1)`` (free verification, a draft
+    forward costing ``r`` plain steps); ties go to the smaller ``k``."""
     a = min(max(a, 0.0), 1.0)
     best_k, best_rate = 0, 1.0
     for k in range(1, cap + 1):
@@ -199,23 +224,24 @@ def best_draft_length(a: float, r: float, cap: int) -> int:
     return best_k
 
 
-def _bucket(batch_size: int) -> int:
-    """Power-of-two batch-size bucket: cost ratios are kept per bucket."""
-    return 1 << max(0, int(batch_size) - 1).bit_length()
-
-
 class DraftLengthController:
     """Per-request draft budgets and exit thresholds; see the module docstring for the rules."""
 
     def __init__(self, config: ControllerConfig) -> None:
         self.config = config
         self._states: dict[str, _RequestState] = {}
-        self._cost_ratio: dict[int, float] = {}  # batch-size bucket -> EMA of c_draft/c_verify
+        self._costs = StepCosts()
         self._window = _Window()
         # engine-wide discounted accepted / tried draft positions (the new requests' prior)
         self._engine_acc = 0.0
         self._engine_try = 0.0
         self._inherited_interval = config.probe_interval
+        # drafting plans since the last plain plan, per batch-size bucket (absent: never planned)
+        self._since_plain: dict[int, int] = {}
+        # draft-exit calibration: discounted tried / accepted drafts per top-1 probability bin
+        self._cal_try = np.zeros(config.calibration_bins)
+        self._cal_acc = np.zeros(config.calibration_bins)
+        self._exit_floor = 1.0
 
     def engine_acceptance(self) -> float:
         """Engine-wide per-token acceptance estimate (a new request's prior);
@@ -242,12 +268,14 @@ class DraftLengthController:
         for req_id in [r for r in self._states if r not in keep]:
             del self._states[req_id]
 
-    def observe_verification(self, req_id: str, drafted: int, accepted: int) -> None:
+    def observe_verification(self, req_id: str, drafted: int, accepted: int,
+                             confidences: Iterable[float] | None = None) -> None:
         """Record that ``accepted`` of ``drafted`` drafts of ``req_id`` passed verification.
 
-        Updates the Draft & Verify threshold and the per-token acceptance estimate (draft
-        positions up to and including the first rejection count as tried). ``drafted == 0`` is a
-        no-op."""
+        Updates the Draft & Verify threshold, the per-token acceptance estimate (draft positions
+        up to and including the first rejection count as tried) and, given the drafts' top-1
+        probabilities (``confidences``, in draft order), the draft-exit calibration.
+        ``drafted == 0`` is a no-op."""
         if drafted <= 0:
             return
         accepted = min(max(int(accepted), 0), int(drafted))
@@ -278,36 +306,147 @@ class DraftLengthController:
         st.try_count = cfg.acceptance_decay * st.try_count + tried
         self._engine_acc = cfg.engine_acceptance_decay * self._engine_acc + accepted
         self._engine_try = cfg.engine_acceptance_decay * self._engine_try + tried
+        if confidences is not None:
+            self._calibrate(list(confidences)[:tried], accepted)
+
+    # ---- draft-exit calibration --------------------------------------------------------------
+    def _calibrate(self, confidences: list[float], accepted: int) -> None:
+        if not confidences:
+            return
+        cfg = self.config
+        nb = cfg.calibration_bins
+        for j, conf in enumerate(confidences):
+            if not math.isfinite(conf):
+                continue
+            b = min(max(int(conf * nb), 0), nb - 1)
+            self._cal_try *= cfg.calibration_decay
+            self._cal_acc *= cfg.calibration_decay
+            self._cal_try[b] += 1.0
+            self._cal_acc[b] += 1.0 if j < accepted else 0.0
+        self._exit_floor = self._calibrated_floor()
+
+    def _calibrated_floor(self) -> float:
+        """Walking down from the top bin: the lower edge of the last well-measured bin before
+        the first well-measured one whose acceptance misses ``target_acceptance`` (bins with
+        too few verified drafts are passed over); 1.0 when none qualifies."""
+        cfg = self.config
+        nb = cfg.calibration_bins
+        floor = 1.0
+        for b in range(nb - 1, -1, -1):
+            tried, acc = self._cal_try[b], self._cal_acc[b]
+            if tried < cfg.calibration_min_count:
+                continue  # no evidence either way: neither lowers the floor nor stops the walk
+            if acc < cfg.target_acceptance * tried:
+                break
+            floor = b / nb
+        return floor
+
+    def exit_threshold(self, req_id: str) -> float:
+        """The top-1 probability below which ``req_id`` stops drafting this round."""
+        st = self._state(req_id)
+        if self.config.calibrated_exit and not st.threshold_overridden:
+            return min(st.threshold, self._exit_floor)
+        return st.threshold
 
     # ---- costs -------------------------------------------------------------------------------
-    def observe_step_costs(self, batch_size: int, draft_step_s: float, verify_step_s: float,
-                           verify_tokens: int | None = None) -> None:
-        """Record the cost of one draft forward over ``batch_size`` rows and of the target
-        (verification) forward of the same step; the ratio feeds an EMA per batch-size bucket.
-        ``verify_tokens`` is only reported in :meth:`stats`."""
-        if (batch_size < 1 or not math.isfinite(draft_step_s) or not math.isfinite(verify_step_s)
-                or draft_step_s < 0 or verify_step_s <= 0):
-            logger.debug("ignoring step costs B=%s draft=%s verify=%s", batch_size, draft_step_s,
-                         verify_step_s)
-            return
-        ratio = draft_step_s / verify_step_s
-        b = _bucket(batch_size)
-        old = self._cost_ratio.get(b)
-        self._cost_ratio[b] = ratio if old is None else (
-            (1.0 - self.config.cost_ema) * old + self.config.cost_ema * ratio)
-        self._window.cost_observations += 1
-        self._window.verify_tokens += int(verify_tokens or 0)
+    def set_step_costs(self, costs: StepCosts) -> None:
+        """Plan with these measured costs from now on (a snapshot of a
+        :class:`~vllm_selfspec.step_costs.StepCostRecorder`; give every tensor-parallel rank the
+        same one)."""
+        self._costs = costs
+
+    @property
+    def step_costs(self) -> StepCosts:
+        return self._costs
 
     def cost_ratio(self, batch_size: int) -> float:
-        """Current ``c_draft / c_verify`` for ``batch_size``: its bucket's EMA, else the nearest
-        measured bucket's, else the prior."""
-        if not self._cost_ratio:
-            return self.config.prior_cost_ratio
-        b = _bucket(batch_size)
-        if b in self._cost_ratio:
-            return self._cost_ratio[b]
-        nearest = min(self._cost_ratio, key=lambda x: (abs(x.bit_length() - b.bit_length()), x))
-        return self._cost_ratio[nearest]
+        """One draft forward over the whole batch, in plain steps of that batch."""
+        plain = self._costs.plain_cost(batch_size)
+        return float(self._costs.draft_cost(batch_size, batch_size,
+                                            self.config.prior_cost_ratio)) / plain
+
+    def verify_cost_ratio(self, batch_size: int, k: int | None = None) -> float:
+        """Verifying ``k`` (default ``k_max``) drafts per request, in plain steps."""
+        k = self.config.k_max if k is None else k
+        return float(self._costs.verify_cost(batch_size, float(k))) / self._costs.plain_cost(
+            batch_size)
+
+    def _standalone_lengths(self, acceptances: np.ndarray, caps: np.ndarray) -> np.ndarray:
+        """Per request, the best ``k`` if it were alone: measured batch-size-1 costs, else the
+        prior (free verification, a draft forward of ``prior_cost_ratio``); 0: drafting off.
+
+        The batch size's own costs do not enter: a request that would draft alone but is left
+        out of a large batch's plan is not off (its acceptance is known, there is nothing to
+        probe; the plan takes it back as soon as the batch shrinks)."""
+        cfg = self.config
+        kmax = int(caps.max(initial=0))
+        if kmax <= 0 or acceptances.size == 0:
+            return np.zeros(acceptances.shape, dtype=np.int64)
+        ks = np.arange(kmax + 1, dtype=np.float64)
+        c = self._costs.of_bucket(1)
+        time = (np.asarray(c.verify_cost(1, ks)) + ks * float(c.draft_cost(1, 1,
+                                                                           cfg.prior_cost_ratio)))
+        time = time / c.plain_cost(1)
+        rate = _expected_tokens_array(acceptances[:, None], ks[None, :]) / time[None, :]
+        rate[:, 0] = 1.0
+        rate = np.where(ks[None, :] <= caps[:, None], rate, -np.inf)
+        # ties go to the smaller k: only a strict improvement over plain counts
+        best = rate.argmax(axis=1)
+        best_rate = rate[np.arange(len(best)), best]
+        return np.where(best_rate > 1.0 + 1e-12, best, 0)
+
+    def _batch_plan(self, batch_size: int, acceptances: np.ndarray, caps: np.ndarray,
+                    fixed: list[tuple[float, int]]) -> np.ndarray:
+        """Budgets for the drafting candidates of one step (see the module docstring, rule 2).
+
+        ``acceptances`` / ``caps``: the candidates; ``fixed``: ``(a, k)`` of rows whose budget is
+        decided already (probes, non-adaptive requests, overrides). Candidates are taken in
+        order of decreasing ``a``; for each common cap ``K`` and each count ``m`` of the best
+        candidates drafting, tokens per second are computed from the measured costs; the best
+        plan wins only if it beats the plan without candidates (ties: fewer drafts)."""
+        cfg = self.config
+        n = acceptances.size
+        ks_out = np.zeros(n, dtype=np.int64)
+        if n == 0:
+            return ks_out
+        c = self._costs
+        b = float(batch_size)
+        fixed_k = np.array([k for _, k in fixed if k > 0], dtype=np.int64)
+        fixed_gain = float(sum(expected_tokens(a, k) - 1.0 for a, k in fixed if k > 0))
+        fixed_extra = float(fixed_k.sum()) if fixed_k.size else 0.0
+        kmax = int(caps.max())
+        depth = max(kmax, int(fixed_k.max()) if fixed_k.size else 0)
+        fixed_rows = np.array([(fixed_k >= j).sum() for j in range(depth + 1)], dtype=np.float64)
+
+        order = np.lexsort((np.arange(n), -acceptances))
+        a_sorted, cap_sorted = acceptances[order], caps[order]
+        prior = cfg.prior_cost_ratio
+
+        def step_time(extra: np.ndarray, rows_by_depth: list[np.ndarray]) -> np.ndarray:
+            t = np.asarray(c.verify_cost(batch_size, extra / b), dtype=np.float64)
+            for rows in rows_by_depth:
+                t = t + np.asarray(c.draft_cost(rows, batch_size, prior), dtype=np.float64)
+            return t
+
+        base_time = step_time(np.array([fixed_extra]), [np.array([fixed_rows[j]])
+                                                        for j in range(1, depth + 1)])[0]
+        best_rate = (b + fixed_gain) / base_time
+        best = (0, 0)
+        zero = np.zeros(1)
+        for cap_k in range(1, kmax + 1):
+            kk = np.minimum(cap_k, cap_sorted)
+            gain = np.concatenate([zero, np.cumsum(_expected_tokens_array(a_sorted, kk) - 1.0)])
+            extra = fixed_extra + np.concatenate([zero, np.cumsum(kk)])
+            rows = [fixed_rows[j] + np.concatenate([zero, np.cumsum(kk >= j)])
+                    for j in range(1, depth + 1)]
+            rate = (b + fixed_gain + gain) / step_time(extra, rows)
+            m = int(rate[1:].argmax()) + 1
+            if rate[m] > best_rate * (1.0 + 1e-9):
+                best_rate, best = float(rate[m]), (cap_k, m)
+        cap_k, m = best
+        if m:
+            ks_out[order[:m]] = np.minimum(cap_k, cap_sorted[:m])
+        return ks_out
 
     # ---- planning ----------------------------------------------------------------------------
     def plan(self, req_ids: Iterable[str],
@@ -315,10 +454,8 @@ class DraftLengthController:
         """Return, per request in ``req_ids``, how many drafts to make at most this step."""
         ids = list(req_ids)
         cfg = self.config
-        r = self.cost_ratio(len(ids))
-        budgets: list[int] = []
         states: list[_RequestState] = []
-        w = self._window
+        was_probing: list[bool] = []
         for req_id in ids:
             st = self._state(req_id)
             ov = overrides.get(req_id) if overrides else None
@@ -329,72 +466,76 @@ class DraftLengthController:
                     st.threshold_overridden = True
             st.cap = ov.get("num_speculative_tokens", cfg.k_max) if ov else cfg.k_max
             st.adaptive = cfg.adaptive and (ov.get("adaptive", True) if ov else True)
-            budgets.append(self._plan_one(req_id, st, r))
+            was_probing.append(st.probing)
+            st.probing = False
             states.append(st)
-        if cfg.batch_aware and len(ids) > 1:
-            budgets = self._batch_clip(states, budgets, r)
+
+        budgets = [st.cap if (st.cap == 0 or not st.adaptive) else 0 for st in states]
+        free = [i for i, st in enumerate(states) if st.cap > 0 and st.adaptive]
+        explored = False
+        if free:
+            acc = np.array([states[i].acceptance for i in free])
+            caps = np.array([states[i].cap for i in free], dtype=np.int64)
+            alone = self._standalone_lengths(acc, caps)
+            candidates: list[int] = []
+            num_off = int((alone == 0).sum())
+            for pos, i in enumerate(free):
+                k = self._on_off(ids[i], states[i], int(alone[pos]), was_probing[i], len(ids),
+                                 num_off)
+                if k < 0:  # on: a candidate of the batch plan
+                    candidates.append(i)
+                else:  # off: 0, or a probe's budget
+                    budgets[i] = k
+            chosen = set(candidates)
+            fixed = [(st.acceptance, budgets[i]) for i, st in enumerate(states)
+                     if i not in chosen]
+            if candidates and self._explore_due(len(ids), fixed):
+                explored = True
+                self._window.explorations += 1
+            elif candidates:
+                plan = self._batch_plan(
+                    len(ids), np.array([states[i].acceptance for i in candidates]),
+                    np.array([states[i].cap for i in candidates], dtype=np.int64), fixed)
+                for i, k in zip(candidates, plan, strict=True):
+                    budgets[i] = int(k)
+
+        b = bucket(len(ids))
+        drafting = any(k > 0 for k in budgets)
+        self._since_plain[b] = self._since_plain.get(b, 0) + 1 if drafting else 0
+        w = self._window
         for st, k in zip(states, budgets, strict=True):
             st.budget = k
             w.planned += 1
             w.planned_drafts += k
-            w.planned_off += k == 0
+            w.planned_off += k == 0 and not explored
         return budgets
 
-    def _batch_clip(self, states: list[_RequestState], budgets: list[int],
-                    r: float) -> list[int]:
-        """Clip the adaptive (non-probe) budgets of one step to the common cap ``K`` that
-        maximises the batch's expected tokens per unit time.
-
-        A draft forward runs over every drafting row at once and the whole batch waits for it,
-        so its cost is shared by all ``B`` requests, not paid by the drafting request alone:
-        with ``K`` draft forwards the step yields ``B + sum_i (E(a_i, min(k_i, K)) - 1)`` tokens
-        in ``1 + K * r`` verification-step units. Per-request planning alone lets a few
-        requests with ``a`` just above ``r`` draft in a large batch and slow everyone down
-        (measured: 0.75-0.8x plain at batch 32 with a bad skip set). Probes, non-adaptive
-        requests and overrides keep their budgets (their forwards are paid anyway, so other
-        rows may ride along up to that length); requests whose cap is 0 are not counted in
-        ``B``; ties keep the longer budget.
-        """
-        fixed = [k for st, k in zip(states, budgets, strict=True)
-                 if not st.adaptive or st.probing]
-        free = max(fixed, default=0)  # draft forwards that run whatever K is
-        fixed_gain = sum(expected_tokens(st.acceptance, k) - 1.0
-                         for st, k in zip(states, budgets, strict=True)
-                         if (not st.adaptive or st.probing) and k > 0)
-        clippable = [(st.acceptance, k) for st, k in zip(states, budgets, strict=True)
-                     if st.adaptive and not st.probing and k > 0]
-        if not clippable:
-            return budgets
-        # requests that switched drafting off for themselves (cap 0) are left out of the
-        # objective: the rule weighs the requests that take part in speculation
-        n = sum(1 for st in states if st.cap > 0)
-        if n <= 1:
-            return budgets
-        best_k, best_rate = 0, None
-        for cap in range(max(k for _, k in clippable), -1, -1):  # ties keep the longer budget
-            gain = fixed_gain + sum(expected_tokens(a, min(k, cap)) - 1.0 for a, k in clippable)
-            rate = (n + gain) / (1.0 + max(cap, free) * r)
-            if best_rate is None or rate > best_rate * (1.0 + 1e-12):
-                best_k, best_rate = cap, rate
-        return [k if (not st.adaptive or st.probing) else min(k, best_k)
-                for st, k in zip(states, budgets, strict=True)]
-
-    def _plan_one(self, req_id: str, st: _RequestState, r: float) -> int:
+    def _explore_due(self, batch_size: int, fixed: list[tuple[float, int]]) -> bool:
+        """Whether this step should be a plain step to measure its cost (rule 3)."""
         cfg = self.config
-        was_probing, st.probing = st.probing, False
-        if st.cap == 0 or not st.adaptive:
-            return st.cap
-        k = best_draft_length(st.acceptance, r, st.cap)
+        if cfg.explore_interval <= 0 or any(k > 0 for _, k in fixed):
+            return False
+        since = self._since_plain.get(bucket(batch_size))
+        if since is None:
+            return True
+        if not self._costs.has_plain(batch_size) and since >= _EARLY_EXPLORE_INTERVAL:
+            return True
+        return since >= cfg.explore_interval
+
+    def _on_off(self, req_id: str, st: _RequestState, alone: int, was_probing: bool,
+                batch_size: int, num_off: int) -> int:
+        """Drafting on/off and probes of one adaptive request: -1 when it is on (the batch plan
+        decides its budget), else its budget (0, or a probe's)."""
+        cfg = self.config
         first_plan = st.budget < 0
-        if k > 0:
+        if alone > 0:
             if st.off:
-                logger.debug("request %s: drafting back on (k=%d, a=%.3f)", req_id, k,
-                             st.acceptance)
+                logger.debug("request %s: drafting back on (a=%.3f)", req_id, st.acceptance)
                 st.off, st.interval = False, cfg.probe_interval
                 self._inherited_interval = cfg.probe_interval
-            return k
+            return -1
         if not st.off:
-            logger.debug("request %s: drafting off (a=%.3f, r=%.3f)", req_id, st.acceptance, r)
+            logger.debug("request %s: drafting off (a=%.3f)", req_id, st.acceptance)
             # a request that starts off (the engine-wide prior) keeps the engine's probe back-off
             interval = self._inherited_interval if first_plan else cfg.probe_interval
             st.off, st.off_steps, st.interval = True, 0, interval
@@ -403,24 +544,33 @@ class DraftLengthController:
             st.off_steps = 0
             self._inherited_interval = st.interval
         st.off_steps += 1
-        if st.off_steps >= max(st.interval, self._min_probe_interval(r)):
+        if st.off_steps >= max(st.interval, self._min_probe_interval(batch_size, num_off)):
             st.off_steps, st.probing = 0, True
             self._window.probes += 1
             return min(cfg.probe_budget, st.cap)
         return 0
 
-    def _min_probe_interval(self, r: float) -> int:
-        """Steps between probes so that probing costs at most ``probe_overhead`` of the time:
-        a probe costs about ``probe_budget * r`` verification steps. Only once a cost ratio has
-        been measured (before that the configured schedule applies); at most
-        ``max_probe_interval``."""
+    def _min_probe_interval(self, batch_size: int = 1, num_off: int = 1) -> int:
+        """Steps between probes of one request so that the probes of the ``num_off`` requests
+        that are off in a batch of ``batch_size`` cost at most ``probe_overhead`` of the time.
+        A probe costs its draft forwards (one row) plus the extra verification, and the whole
+        batch waits for it. Only once costs have been measured (before that the configured
+        schedule applies); at most ``_MAX_COST_BOUND_INTERVAL``."""
         cfg = self.config
-        if not self._cost_ratio or cfg.probe_overhead <= 0:
+        if not self._costs or cfg.probe_overhead <= 0:
             return 0
-        return min(math.ceil(cfg.probe_budget * r / cfg.probe_overhead), cfg.max_probe_interval)
+        c = self._costs
+        pb = cfg.probe_budget
+        b = max(int(batch_size), 1)
+        plain = c.plain_cost(b)
+        cost = (float(c.verify_cost(b, pb / b)) - plain
+                + pb * float(c.draft_cost(1, b, cfg.prior_cost_ratio))) / plain
+        steps = max(cost, 0.0) * max(int(num_off), 1) / cfg.probe_overhead
+        return min(math.ceil(steps), _MAX_COST_BOUND_INTERVAL)
 
     def should_stop(self, req_id: str, top1_prob: float) -> bool:
-        """Draft-exiting: True when ``top1_prob`` is below the request's threshold.
+        """Draft-exiting: True when ``top1_prob`` is below the request's exit threshold
+        (:meth:`exit_threshold`).
 
         Never stops when adaptivity is off (globally or for the request) or during a probe
         (a probe must reach its budget to measure acceptance). NaN stops.
@@ -430,7 +580,7 @@ class DraftLengthController:
         st = self._state(req_id)
         if not st.adaptive or st.probing:
             return False
-        return not top1_prob >= st.threshold
+        return not top1_prob >= self.exit_threshold(req_id)
 
     # ---- logging -----------------------------------------------------------------------------
     def stats(self) -> dict[str, float]:
@@ -439,23 +589,31 @@ class DraftLengthController:
         w = self._window
         states = list(self._states.values())
         n = len(states)
+        b = max(1, n)
         return {
             "num_requests": n,
             "mean_planned_draft_len": w.planned_drafts / w.planned if w.planned else 0.0,
             "drafting_off_share": w.planned_off / w.planned if w.planned else 0.0,
             "mean_threshold": sum(s.threshold for s in states) / n if n else 0.0,
+            "exit_threshold_floor": self._exit_floor,
             "mean_acceptance_estimate": sum(s.acceptance for s in states) / n if n else 0.0,
             "engine_acceptance_estimate": self.engine_acceptance(),
             "acceptance_rate": w.accepted / w.drafted if w.drafted else 0.0,
             "drafted": w.drafted,
             "accepted": w.accepted,
             "probes": w.probes,
+            "explorations": w.explorations,
             "planned_steps": w.planned,
-            "cost_ratio": self.cost_ratio(max(1, n)),
-            "mean_verify_tokens": (w.verify_tokens / w.cost_observations
-                                   if w.cost_observations else 0.0),
+            "cost_ratio": self.cost_ratio(b),
+            "verify_cost_ratio": self.verify_cost_ratio(b),
+            "plain_step_s": self._costs.plain_cost(b) if self._costs.verify else 0.0,
         }
 
     def reset_stats_window(self) -> None:
         """Start a new logging window (per-request state is kept)."""
         self._window = _Window()
+
+
+_SNAPSHOT_STEPS = 16  # how often (steps) the drafter hands the controller a new cost snapshot
+_EARLY_EXPLORE_INTERVAL = 8  # drafting steps between plain steps until a plain cost is known
+_MAX_COST_BOUND_INTERVAL = 4096  # the cost bound on probe intervals never exceeds this

@@ -28,10 +28,12 @@ from vllm_selfspec.controller import ControllerConfig, DraftLengthController
 from vllm_selfspec.errors import SelfSpecConfigError
 from vllm_selfspec.patches import ADDITIONAL_CONFIG_KEY, patch_runner_input_fits_in_drafter
 from vllm_selfspec.skip_forward import LayerSkipForward
+from vllm_selfspec.step_costs import StepCostRecorder, StepCosts
 
 logger = logging.getLogger("vllm.selfspec.proposer")
 
 _COST_SYNC_INTERVAL = 16  # steps between (TP-synchronised) cost updates of the controller
+_MAX_COST_ENTRIES = 1024  # cost-table entries broadcast over TP (a fixed-size tensor)
 _DRAFT_SEED = 0x5E1F5BEC
 
 
@@ -94,9 +96,9 @@ class SelfSpecProposer:
         self._tp_world_size, self._tp_rank = _tp_world()
         self._last_propose_end: float | None = None
         self._last_req_ids: list[str] = []
-        self._draft_cost_ema: float | None = None
-        self._step_cost_ema: float | None = None
+        self._costs = StepCostRecorder()
         self._steps_since_cost_sync = 0
+        self._draft_confidences: dict[str, list[float]] = {}
         self._next_log = time.monotonic() + _log_interval()
         self._bad_override_warned: set[str] = set()
         # On-the-fly layer selection (changes skip_attention / skip_mlp between draft rounds).
@@ -152,38 +154,49 @@ class SelfSpecProposer:
         start = time.perf_counter()
         input_batch = self.runner.input_batch
         req_ids = list(input_batch.req_ids)
+        drafts: list[list[int]] = [[] for _ in req_ids]
+
+        verified_drafts = self._observe_verification(req_ids, sampled_token_ids)
+        if self.online is not None:  # may switch the skip set, never inside a draft round
+            self.online.step(req_ids, sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
         # The gap since the previous call is one verification step only while the same requests
         # keep decoding: a changed batch means prefills, or an idle engine waiting for requests,
         # either of which would make drafting look far cheaper than it is.
-        if self._last_propose_end is not None and req_ids == self._last_req_ids:
-            self._step_cost_ema = _ema(self._step_cost_ema, start - self._last_propose_end)
+        if (self._last_propose_end is not None and req_ids == self._last_req_ids
+                and all(sampled_token_ids)):
+            self._costs.observe_verify(len(req_ids), verified_drafts,
+                                       start - self._last_propose_end)
         self._last_req_ids = req_ids
-        drafts: list[list[int]] = [[] for _ in req_ids]
-
-        self._observe_verification(req_ids, sampled_token_ids)
-        if self.online is not None:  # may switch the skip set, never inside a draft round
-            self.online.step(req_ids, sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
         rows, budgets = self._plan(req_ids, sampled_token_ids, num_tokens_no_spec)
         self.counters["steps"] += 1
         if rows:
             self._draft(rows, budgets, req_ids, sampled_token_ids, num_tokens_no_spec, drafts)
-        self._update_costs(len(rows))
+        self._update_costs()
         self._maybe_log()
         self._last_propose_end = time.perf_counter()
         return drafts
 
     # --- per-step pieces --------------------------------------------------------------------------
 
-    def _observe_verification(self, req_ids: list[str], sampled: list[list[int]]) -> None:
+    def _observe_verification(self, req_ids: list[str], sampled: list[list[int]]) -> int:
+        """Feed the controller the outcome of the verified drafts; returns how many drafts the
+        step verified."""
         spec_token_ids = self.runner.input_batch.spec_token_ids
+        confidences = self._draft_confidences
+        self._draft_confidences = {}
+        total = 0
         for row, req_id in enumerate(req_ids):
             if not sampled[row]:
                 continue
             drafted = sum(1 for t in spec_token_ids[row] if t >= 0)
+            total += drafted
             if drafted:
                 accepted = min(len(sampled[row]) - 1, drafted)
-                self.controller.observe_verification(req_id, drafted=drafted, accepted=accepted)
+                self.controller.observe_verification(
+                    req_id, drafted=drafted, accepted=accepted,
+                    confidences=confidences.get(req_id, [])[:drafted])
         self.controller.retain(req_ids)
+        return total
 
     def _request_overrides(self, req_id: str) -> dict[str, Any] | None:
         from vllm_selfspec.controller import validate_request_overrides
@@ -269,20 +282,22 @@ class SelfSpecProposer:
             probs_buffer = torch.zeros(
                 (len(rows), max_k, self._vocab_size()), dtype=torch.float32, device=self.device
             )
-        draft_start = time.perf_counter()
         forwards = 0
+        confidences: dict[str, list[float]] = {req_ids[row]: [] for row in rows}
         for step in range(max_k):
             active = np.nonzero(alive & (budgets_np > step))[0]
             if active.size == 0:
                 break
+            forward_start = time.perf_counter()
             positions = base_pos[active] + step
             logits = self._draft_forward(rows_np[active], positions, tokens[active], step)
             forwards += 1
             next_tokens, confidence, probs = self._pick_tokens(
                 logits, temperatures[active], sample_mask[active]
             )
-            next_np = next_tokens.cpu().numpy()
+            next_np = next_tokens.cpu().numpy()  # waits for the device: the timing is complete
             conf_np = confidence.cpu().numpy()
+            self._costs.observe_draft(len(active), time.perf_counter() - forward_start)
             if probs_buffer is not None:
                 if probs is None:
                     # Only greedy rows are still drafting at this step (the sampled rows stopped
@@ -296,12 +311,11 @@ class SelfSpecProposer:
             for i, local in enumerate(active):
                 row = rows[local]
                 drafts[row].append(int(next_np[i]))
+                confidences[req_ids[row]].append(float(conf_np[i]))
                 if self.controller.should_stop(req_ids[row], float(conf_np[i])):
                     alive[local] = False
             tokens[active] = next_np
-        self._draft_cost_ema = _ema(
-            self._draft_cost_ema, (time.perf_counter() - draft_start) / max(forwards, 1)
-        )
+        self._draft_confidences = confidences
         if probs_buffer is not None:
             self.runner._draft_probs = probs_buffer
             self.runner._draft_prob_req_ids = [req_ids[row] for row in rows]
@@ -398,25 +412,41 @@ class SelfSpecProposer:
 
     # --- costs, logging, introspection -----------------------------------------------------------
 
-    def _update_costs(self, num_drafting_rows: int) -> None:
+    def _update_costs(self) -> None:
+        """Every ``_COST_SYNC_INTERVAL`` steps, hand the controller the measured cost table
+        (rank 0's on every tensor-parallel rank: every rank must take the same decisions)."""
         self._steps_since_cost_sync += 1
         if self._steps_since_cost_sync < _COST_SYNC_INTERVAL:
             return
         self._steps_since_cost_sync = 0
-        if self._draft_cost_ema is None or self._step_cost_ema is None:
-            return
-        draft_cost, step_cost = self._draft_cost_ema, self._step_cost_ema
-        if self._tp_world_size > 1:  # every rank must take the same decisions
+        flat = self._costs.snapshot().to_flat()
+        if self._tp_world_size > 1:
             from vllm.distributed import get_tp_group
 
-            costs = torch.tensor([draft_cost, step_cost], dtype=torch.float64, device=self.device)
-            costs = get_tp_group().broadcast(costs, src=0)
-            draft_cost, step_cost = (float(x) for x in costs.cpu())
-        self.controller.observe_step_costs(
-            batch_size=max(num_drafting_rows, 1),
-            draft_step_s=draft_cost,
-            verify_step_s=step_cost,
-        )
+            buf = torch.full((4 * _MAX_COST_ENTRIES,), -1.0, dtype=torch.float64)
+            n = min(len(flat), buf.numel())
+            buf[:n] = torch.tensor(flat[:n], dtype=torch.float64)
+            buf = get_tp_group().broadcast(buf.to(self.device), src=0)
+            flat = buf.cpu().tolist()
+        self.controller.set_step_costs(StepCosts.from_flat(flat))
+
+    @property
+    def step_cost_s(self) -> float | None:
+        """Median cost of one step (verification included) at the latest batch size, as
+        measured on this worker: the plain step when measured, else the cheapest measured."""
+        costs = self._costs.snapshot()
+        if not costs.verify:
+            return None
+        return costs.plain_cost(max(1, len(self._last_req_ids)))
+
+    @property
+    def draft_cost_s(self) -> float | None:
+        """Median cost of one draft forward over the latest batch's rows (this worker)."""
+        costs = self._costs.snapshot()
+        if not costs.draft:
+            return None
+        batch = max(1, len(self._last_req_ids))
+        return float(costs.draft_cost(batch, batch))
 
     def _maybe_log(self) -> None:
         now = time.monotonic()
@@ -431,11 +461,17 @@ class SelfSpecProposer:
 
     def stats(self) -> dict[str, Any]:
         """Counters and controller state (read by tests and the worker extension)."""
+        costs = self._costs.snapshot()
+        batch = max(1, len(self._last_req_ids))
+        plain = costs.plain_cost(batch) if costs.verify else None
         return {
             **self.counters,
             "controller": self.controller.stats(),
-            "draft_cost_s": self._draft_cost_ema,
-            "step_cost_s": self._step_cost_ema,
+            # medians measured on this worker, for the batch size of the latest step
+            "draft_cost_s": float(costs.draft_cost(batch, batch)) if costs.draft else None,
+            "plain_step_s": plain if costs.has_plain(batch) else None,
+            "verify_cost_s": {f"{x:g}": c for (b, x), c in sorted(costs.verify.items())
+                              if b == costs._verify_bucket(batch)},
             "skip_attention": sorted(self.skip_attention),
             "skip_mlp": sorted(self.skip_mlp),
             "k_max": self.k_max,
@@ -467,10 +503,6 @@ def _flat_overrides(extra: dict[str, Any]) -> dict[str, Any] | None:
     elif isinstance(k, str) and k.strip().isdigit():
         flat["num_speculative_tokens"] = int(k)
     return flat
-
-
-def _ema(previous: float | None, value: float, weight: float = 0.1) -> float:
-    return value if previous is None else (1 - weight) * previous + weight * value
 
 
 def _fmt(value: Any) -> str:

@@ -1,0 +1,91 @@
+"""Unit tests for vllm_selfspec.step_costs (numpy only, no vLLM)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from vllm_selfspec.step_costs import StepCostRecorder, StepCosts, bucket, quantise_x
+
+
+def test_bucket_and_quantise() -> None:
+    assert [bucket(n) for n in (0, 1, 2, 3, 4, 5, 8, 9, 32, 33)] == [1, 1, 2, 4, 4, 8, 8, 16, 32,
+                                                                     64]
+    assert quantise_x(0, 8) == 0.0
+    assert quantise_x(1, 32) == 0.25  # any drafting is at least a quarter
+    assert quantise_x(32, 8) == 4.0
+    assert quantise_x(9, 8) == 1.0  # 1.125 -> 1.0
+    assert quantise_x(10, 8) == 1.25
+
+
+def test_recorder_medians_ignore_outliers_and_bad_samples() -> None:
+    rec = StepCostRecorder(window=5)
+    for s in (0.10, 0.11, 5.0, 0.09, 0.10):  # one 5 s outlier (a step that also prefilled)
+        rec.observe_verify(8, 0, s)
+    rec.observe_verify(8, 0, math.nan)
+    rec.observe_verify(8, 0, -1.0)
+    rec.observe_verify(0, 0, 0.1)
+    rec.observe_verify(8, 32, 0.35)
+    rec.observe_draft(8, 0.05)
+    rec.observe_draft(7, 0.04)
+    rec.observe_draft(0, 9.0)
+    snap = rec.snapshot()
+    # keys with fewer than 3 samples are left out (first runs of a shape are slow)
+    assert snap.verify == {(8, 0.0): pytest.approx(0.10)}
+    assert not snap.draft
+    snap = rec.snapshot(min_samples=1)
+    assert snap.verify == {(8, 0.0): pytest.approx(0.10), (8, 4.0): pytest.approx(0.35)}
+    assert snap.draft == {8: pytest.approx(0.045)}
+    for _ in range(5):  # the window forgets old samples
+        rec.observe_verify(8, 0, 0.2)
+    assert rec.snapshot().verify[(8, 0.0)] == pytest.approx(0.2)
+    with pytest.raises(ValueError):
+        StepCostRecorder(window=0)
+
+
+def test_verify_cost_interpolates_and_extrapolates() -> None:
+    c = StepCosts(verify={(8, 0.0): 1.0, (8, 2.0): 2.0, (8, 4.0): 4.0})
+    assert c.plain_cost(8) == 1.0
+    assert c.verify_cost(8, 1.0) == pytest.approx(1.5)
+    assert c.verify_cost(8, 3.0) == pytest.approx(3.0)
+    # above the largest x: along the line through the plain step and the largest x
+    assert c.verify_cost(8, 6.0) == pytest.approx(4.0 + 0.75 * 2)
+    arr = c.verify_cost(8, np.array([0.0, 1.0, 6.0]))
+    assert isinstance(arr, np.ndarray) and arr.tolist() == pytest.approx([1.0, 1.5, 5.5])
+    # nothing measured: unit cost, verification free
+    assert StepCosts().verify_cost(4, 3.0) == 1.0
+    # only drafted steps measured: cost below the first x assumed flat
+    only = StepCosts(verify={(1, 4.0): 2.0})
+    assert only.plain_cost(1) == 2.0 and not only.has_plain(1)
+
+
+def test_bucket_fallback_prefers_buckets_with_a_plain_step() -> None:
+    c = StepCosts(verify={(1, 0.0): 1.0, (1, 4.0): 1.2, (64, 4.0): 9.0, (32, 0.0): 3.0,
+                          (32, 4.0): 9.0})
+    assert c.has_plain(1) and not c.has_plain(64)
+    assert c.plain_cost(2) == 1.0  # nearest bucket with a plain step
+    assert c.plain_cost(64) == 3.0  # 64 has no plain step: bucket 32 answers
+    assert c.verify_cost(16, 4.0) == 9.0
+
+
+def test_draft_cost() -> None:
+    c = StepCosts(verify={(1, 0.0): 2.0}, draft={1: 0.1, 4: 0.3})
+    assert c.draft_cost(1, 1) == pytest.approx(0.1)
+    assert c.draft_cost(2, 1) == pytest.approx(0.2)  # log-scale interpolation
+    assert c.draft_cost(64, 1) == pytest.approx(0.3)  # constant beyond the measured buckets
+    assert c.draft_cost(0, 1) == 0.0
+    assert c.draft_cost(np.array([0, 1, 4]), 1).tolist() == pytest.approx([0.0, 0.1, 0.3])
+    # nothing measured: the prior share of a plain step
+    assert StepCosts(verify={(1, 0.0): 2.0}).draft_cost(3, 1, prior_ratio=0.25) == 0.5
+
+
+def test_flat_round_trip_and_padding() -> None:
+    c = StepCosts(verify={(1, 0.0): 0.1, (8, 2.5): 0.3}, draft={1: 0.05})
+    flat = c.to_flat()
+    assert flat[:4] == [1.0, 1.0, 0.0, 0.05]  # draft forwards first
+    assert StepCosts.from_flat(flat) == c
+    padded = flat + [-1.0] * 8 + [0.0, 2.0]  # padding and a ragged tail are ignored
+    assert StepCosts.from_flat(padded) == c
+    assert not StepCosts.from_flat([])

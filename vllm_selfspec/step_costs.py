@@ -1,0 +1,194 @@
+"""Measured step costs of the engine: what a verification of ``T`` tokens and a draft forward cost.
+
+Speculation pays only when the tokens it adds outrun the time it adds, and both halves of that time
+are measured here rather than assumed:
+
+* **verification**: the target forward of a step that verifies ``B`` requests with ``D`` draft
+  tokens in all. On a GPU at small batches the extra ``D`` tokens are nearly free; on a CPU (or a
+  GPU at large batches) the step grows with ``B + D``: at batch 8, SmolLM2-135M on 2 CPU cores
+  takes ~3.5x as long to verify 4 drafts per request as to decode one token. Samples are kept per
+  batch-size bucket (powers of two) and per *draft tokens per request* ``x = D / B`` (quantised to
+  quarters); ``x = 0`` is a plain decoding step, the baseline every plan is compared with.
+* **draft forward**: one layer-skip forward over ``n`` rows, kept per power-of-two bucket of ``n``.
+
+Each key keeps its last few samples and answers with their median: a single outlier (a step that
+also ran a prefill, a scheduler hiccup, another process) moves nothing. :class:`StepCostRecorder`
+collects samples on one worker; :meth:`StepCostRecorder.snapshot` turns them into a
+:class:`StepCosts`, the immutable table the controller plans with. A snapshot flattens to a list of
+floats (:meth:`StepCosts.to_flat` / :meth:`StepCosts.from_flat`) so that tensor-parallel ranks can
+broadcast rank 0's and all take identical decisions.
+
+Pure Python plus numpy: no vLLM, no torch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+_VERIFY, _DRAFT = 0.0, 1.0
+X_QUANTUM = 0.25  # draft tokens per request are kept in quarters
+
+
+def bucket(n: int) -> int:
+    """Power-of-two bucket of a batch size or row count (1, 2, 4, 8, ...)."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def quantise_x(draft_tokens: int, batch_size: int) -> float:
+    """Draft tokens per request, in quarters; any drafting at all is at least one quarter."""
+    if draft_tokens <= 0:
+        return 0.0
+    x = draft_tokens / max(batch_size, 1)
+    return max(X_QUANTUM, round(x / X_QUANTUM) * X_QUANTUM)
+
+
+def _valid(seconds: float) -> bool:
+    return math.isfinite(seconds) and seconds > 0
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """A table of median step costs (seconds); see the module docstring.
+
+    ``verify[(b, x)]``: verification step of a batch in bucket ``b`` with ``x`` draft tokens per
+    request; ``draft[b]``: one draft forward over a row count in bucket ``b``.
+    """
+
+    verify: dict[tuple[int, float], float] = field(default_factory=dict)
+    draft: dict[int, float] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.verify) or bool(self.draft)
+
+    # ---- lookup -----------------------------------------------------------------------------
+    def _verify_bucket(self, batch_size: int) -> int | None:
+        """The bucket whose verification table answers for ``batch_size``: its own if it has a
+        plain-step (``x = 0``) entry, else the nearest bucket that has one, else the nearest with
+        any entry."""
+        if not self.verify:
+            return None
+        b = bucket(batch_size)
+        buckets = {bb for bb, _ in self.verify}
+        with_plain = {bb for bb, x in self.verify if x == 0.0}
+        pool = with_plain or buckets
+        if b in pool:
+            return b
+        return min(pool, key=lambda bb: (abs(bb.bit_length() - b.bit_length()), bb))
+
+    def has_plain(self, batch_size: int) -> bool:
+        """Whether a plain step of this batch size's own bucket has been measured."""
+        return (bucket(batch_size), 0.0) in self.verify
+
+    def verify_cost(self, batch_size: int, x: float | np.ndarray) -> float | np.ndarray:
+        """Verification cost for ``x`` draft tokens per request (array-valued for an array).
+
+        Linear interpolation between measured ``x``; above the largest, linear extrapolation
+        along the line through the plain step and the largest measured ``x``. With nothing
+        measured the cost is 1.0 everywhere (unit time, verification assumed free: the
+        paper's assumption until a measurement says otherwise)."""
+        b = self._verify_bucket(batch_size)
+        xs_in = np.asarray(x, dtype=np.float64)
+        if b is None:
+            out = np.ones_like(xs_in)
+            return float(out) if np.ndim(x) == 0 else out
+        points = sorted((xx, c) for (bb, xx), c in self.verify.items() if bb == b)
+        px = np.array([p[0] for p in points])
+        py = np.array([p[1] for p in points])
+        if px[0] > 0.0:  # no plain step measured: assume verification free below the first x
+            px = np.concatenate([[0.0], px])
+            py = np.concatenate([[py[0]], py])
+        out = np.interp(xs_in, px, py)
+        if len(px) > 1:
+            slope = max((py[-1] - py[0]) / (px[-1] - px[0]), 0.0)
+            above = xs_in > px[-1]
+            out = np.where(above, py[-1] + slope * (xs_in - px[-1]), out)
+        return float(out) if np.ndim(x) == 0 else out
+
+    def plain_cost(self, batch_size: int) -> float:
+        return float(self.verify_cost(batch_size, 0.0))
+
+    def draft_cost(self, rows: int | np.ndarray, batch_size: int,
+                   prior_ratio: float = 0.5) -> float | np.ndarray:
+        """One draft forward over ``rows`` rows: interpolated over measured buckets (log scale),
+        constant beyond them; with nothing measured, ``prior_ratio`` plain steps of
+        ``batch_size``. Zero rows cost nothing."""
+        rows_in = np.asarray(rows, dtype=np.float64)
+        if not self.draft:
+            out = np.full_like(rows_in, prior_ratio * self.plain_cost(batch_size))
+        else:
+            points = sorted(self.draft.items())
+            lx = np.log2([p[0] for p in points])
+            out = np.interp(np.log2(np.maximum(rows_in, 1.0)), lx, [p[1] for p in points])
+        out = np.where(rows_in > 0, out, 0.0)
+        return float(out) if np.ndim(rows) == 0 else out
+
+    def of_bucket(self, batch_size: int) -> StepCosts:
+        """Only the entries of ``batch_size``'s own bucket (no fallback to other buckets)."""
+        b = bucket(batch_size)
+        return StepCosts(verify={k: c for k, c in self.verify.items() if k[0] == b},
+                         draft={bb: c for bb, c in self.draft.items() if bb == b})
+
+    # ---- transport --------------------------------------------------------------------------
+    def to_flat(self) -> list[float]:
+        """``[kind, bucket, x, seconds] * n`` (kind 0: verification, 1: draft forward; draft
+        forwards first)."""
+        flat: list[float] = []
+        for b, c in sorted(self.draft.items()):
+            flat += [_DRAFT, float(b), 0.0, c]
+        for (b, x), c in sorted(self.verify.items()):
+            flat += [_VERIFY, float(b), x, c]
+        return flat
+
+    @classmethod
+    def from_flat(cls, flat: Sequence[float]) -> StepCosts:
+        verify: dict[tuple[int, float], float] = {}
+        draft: dict[int, float] = {}
+        for i in range(0, len(flat) - len(flat) % 4, 4):
+            kind, b, x, c = (float(v) for v in flat[i:i + 4])
+            if not _valid(c) or b < 1:
+                continue
+            if kind == _VERIFY:
+                verify[(int(b), x)] = c
+            elif kind == _DRAFT:
+                draft[int(b)] = c
+        return cls(verify=verify, draft=draft)
+
+
+class StepCostRecorder:
+    """Collects step-cost samples on one worker; :meth:`snapshot` gives their medians."""
+
+    def __init__(self, window: int = 15) -> None:
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self.window = window
+        self._verify: dict[tuple[int, float], deque[float]] = {}
+        self._draft: dict[int, deque[float]] = {}
+
+    def observe_verify(self, batch_size: int, draft_tokens: int, seconds: float) -> None:
+        """A verification step of ``batch_size`` requests and ``draft_tokens`` drafts took
+        ``seconds`` (non-finite or non-positive times are ignored)."""
+        if batch_size < 1 or draft_tokens < 0 or not _valid(seconds):
+            return
+        key = (bucket(batch_size), quantise_x(draft_tokens, batch_size))
+        self._verify.setdefault(key, deque(maxlen=self.window)).append(seconds)
+
+    def observe_draft(self, rows: int, seconds: float) -> None:
+        """One draft forward over ``rows`` rows took ``seconds``."""
+        if rows < 1 or not _valid(seconds):
+            return
+        self._draft.setdefault(bucket(rows), deque(maxlen=self.window)).append(seconds)
+
+    def snapshot(self, min_samples: int = 3) -> StepCosts:
+        """Medians of the keys with at least ``min_samples`` samples (a key's first samples
+        can all be slow: a new input shape's first run builds kernels and buffers)."""
+        return StepCosts(
+            verify={k: float(np.median(v)) for k, v in self._verify.items()
+                    if len(v) >= min_samples},
+            draft={k: float(np.median(v)) for k, v in self._draft.items()
+                   if len(v) >= min_samples},
+        )
