@@ -4,6 +4,8 @@
     python -m benchmarks.run --suite cpu-zero      # SmolLM2 + zero-output layers (acceptance 1.0)
     python -m benchmarks.run --suite no-harm       # bad / good / free skip sets, controller on+off
     python -m benchmarks.run --suite smoke         # tiny random model, seconds (used by the tests)
+    python -m benchmarks.run --suite online        # OpenAI server + `vllm bench serve` at several
+                                                   # request rates (benchmarks/online.py)
     python -m benchmarks.run --suite cpu-smollm2 --dry-run   # print the plan, run nothing
 
 Each suite writes ``benchmarks/results/<suite>.json`` (every timed run and the summary rows),
@@ -177,6 +179,7 @@ def build_suite(name: str) -> Suite:
 
 
 SUITES = ("cpu-smollm2", "cpu-zero", "no-harm", "smoke")
+ONLINE_SUITE = "online"  # benchmarks/online.py: a server per method, `vllm bench serve`
 _ZERO_SKIP: dict[str, Any] = {}  # filled by resolve_model("zero") (the inserted layers)
 
 
@@ -568,7 +571,7 @@ def _versions() -> dict[str, str]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.run",
                                 description=__doc__.split("\n\n")[0])
-    p.add_argument("--suite", required=True, choices=SUITES)
+    p.add_argument("--suite", required=True, choices=(*SUITES, ONLINE_SUITE))
     p.add_argument("--reps", type=int, help="repetitions per cell (default: the suite's, 3)")
     p.add_argument("--max-tokens", type=int, help="new tokens per prompt")
     p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")],
@@ -576,6 +579,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--datasets", type=lambda s: s.split(","),
                    help="comma-separated: humaneval, mtbench, mixed")
     p.add_argument("--temperatures", type=lambda s: [float(x) for x in s.split(",")])
+    p.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")],
+                   help="online suite: comma-separated request rates per second, inf allowed")
+    p.add_argument("--num-prompts", type=int, help="online suite: requests per rate")
     p.add_argument("--methods", type=lambda s: s.split(","),
                    help="only these method names (plain always runs)")
     p.add_argument("--time-budget-min", type=float,
@@ -584,12 +590,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     p.add_argument("--dry-run", action="store_true", help="print the plan as JSON and exit")
     args = p.parse_args(argv)
-    for name in ("reps", "max_tokens", "time_budget_min"):
+    for name in ("reps", "max_tokens", "time_budget_min", "num_prompts"):
         v = getattr(args, name)
         if v is not None and v <= 0:
             p.error(f"--{name.replace('_', '-')} must be > 0")
     if args.batches is not None and any(b < 1 for b in args.batches):
         p.error("--batches must be >= 1")
+    if args.rates is not None and any(not r > 0 for r in args.rates):
+        p.error("--rates must be > 0 (inf for all requests at once)")
     return args
 
 
@@ -627,6 +635,12 @@ def _deadline(text: str | None) -> float | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.suite == ONLINE_SUITE:
+        from benchmarks import online
+
+        return online.main(rates=args.rates, num_prompts=args.num_prompts,
+                           output_len=args.max_tokens, methods=args.methods,
+                           out_dir=args.out_dir, dry_run=args.dry_run)
     suite = configure(args)
     if args.dry_run:
         print(json.dumps(plan(suite), indent=1))

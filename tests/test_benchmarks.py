@@ -369,3 +369,145 @@ def test_probe_interval_is_cost_aware():
     probes = [i for i, k in enumerate(plans) if i > off and k]
     assert probes and probes[0] - off >= 34
 
+
+# a server's /metrics text: two engines' counters add up, position 2 is missing (0)
+_METRICS = """\
+# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts_total counter
+vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 6.0
+vllm:spec_decode_num_drafts_total{engine="1",model_name="m"} 4.0
+# HELP vllm:spec_decode_num_draft_tokens_total Number of draft tokens.
+# TYPE vllm:spec_decode_num_draft_tokens_total counter
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 40.0
+# HELP vllm:spec_decode_num_accepted_tokens_total Number of accepted tokens.
+# TYPE vllm:spec_decode_num_accepted_tokens_total counter
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 30.0
+# HELP vllm:spec_decode_num_accepted_tokens_per_pos_total Accepted tokens per position.
+# TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="0"} 10.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"} 9.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="3"} 5.0
+# HELP vllm:prompt_tokens_total Prompt tokens.
+# TYPE vllm:prompt_tokens_total counter
+vllm:prompt_tokens_total{engine="0",model_name="m"} 99.0
+"""
+
+
+def _bench_json(tok_s: float, tpot: float) -> dict:
+    # the fields of a `vllm bench serve --save-result` file, plus per-request lists
+    return {"duration": 10.0, "completed": 16, "failed": 0, "output_throughput": tok_s,
+            "median_tpot_ms": tpot, "p99_tpot_ms": 2 * tpot, "median_ttft_ms": 100.0,
+            "p99_ttft_ms": 300.0, "median_itl_ms": tpot, "p99_itl_ms": 3 * tpot,
+            "request_rate": "inf", "ttfts": [0.1] * 16, "generated_texts": ["x"] * 16}
+
+
+def test_online_parsing_summary_table_and_plot(tmp_path):
+    from benchmarks import online
+
+    counters = online.parse_server_spec_counters(_METRICS)
+    assert counters == {"num_drafts": 10.0, "num_draft_tokens": 40.0,
+                        "num_accepted_tokens": 30.0,
+                        "num_accepted_tokens_per_pos": [10.0, 9.0, 0.0, 5.0]}
+    assert online.parse_server_spec_counters("# nothing\n") == {}
+    # selfspec's controller counters: drafting-off share = off / request-steps (deltas)
+    ss = online.parse_server_spec_counters(
+        _METRICS + "# TYPE vllm:selfspec_decode_request_steps_total counter\n"
+        'vllm:selfspec_decode_request_steps_total{engine="0"} 100.0\n'
+        "# TYPE vllm:selfspec_request_steps_drafting_off_total counter\n"
+        'vllm:selfspec_request_steps_drafting_off_total{engine="0"} 90.0\n')
+    assert ss["selfspec_decode_request_steps"] == 100.0
+    assert ss["selfspec_request_steps_drafting_off"] == 90.0
+    (off_row,) = online.summarize([{"method": "selfspec", "rate": "1", "load": [1.0],
+                                    "bench": online.parse_bench_result(_bench_json(9.0, 9.0)),
+                                    "spec": online.counter_delta(
+                                        {"selfspec_decode_request_steps": 60.0,
+                                         "selfspec_request_steps_drafting_off": 60.0}, ss)}])
+    assert off_row["drafting_off"] == pytest.approx(0.75) and off_row["ratio"] is None
+    assert "| 0.75 | 16/16 |" in online.markdown_table([off_row])
+    before = {"num_drafts": 2.0, "num_draft_tokens": 8.0, "num_accepted_tokens": 6.0}
+    bench = online.parse_bench_result(_bench_json(50.0, 20.0))
+    assert "ttfts" not in bench and bench["output_throughput"] == 50.0
+    with pytest.raises(ValueError):
+        online.parse_bench_result({"duration": 1.0})
+    runs = [
+        {"method": "plain", "rate": "0.5", "bench": online.parse_bench_result(
+            _bench_json(20.0, 40.0)), "load": [2.0, 1.0, 1.0]},
+        {"method": "plain", "rate": "inf", "bench": online.parse_bench_result(
+            _bench_json(100.0, 30.0)), "load": [3.0, 1.0, 1.0]},
+        {"method": "selfspec", "rate": "inf", "bench": online.parse_bench_result(
+            _bench_json(80.0, 35.0)), "load": [3.0, 1.0, 1.0],
+         "spec": online.counter_delta(before, counters)},
+        {"method": "selfspec", "rate": "0.5", "bench": bench, "load": [2.5, 1.0, 1.0],
+         "spec": counters},
+        {"method": "ngram", "rate": "0.5", "error": "bench serve exited 1: boom | x"},
+    ]
+    rows = online.summarize(runs)
+    assert [(r["method"], r["rate"]) for r in rows] == [
+        ("plain", "0.5"), ("plain", "inf"), ("selfspec", "0.5"), ("selfspec", "inf"),
+        ("ngram", "0.5")]
+    by = {(r["method"], r["rate"]): r for r in rows}
+    assert by["plain", "inf"]["ratio"] == 1.0 and by["plain", "inf"]["acceptance"] is None
+    assert by["selfspec", "inf"]["ratio"] == pytest.approx(0.8)
+    assert by["selfspec", "0.5"]["ratio"] == pytest.approx(2.5)
+    # (30 - 6) / (40 - 8) accepted per drafted; 1 + 24 / 8 tokens per verification
+    assert by["selfspec", "inf"]["acceptance"] == pytest.approx(0.75)
+    assert by["selfspec", "inf"]["mean_accepted_length"] == pytest.approx(4.0)
+    assert by["ngram", "0.5"]["error"].startswith("bench serve")
+    table = online.markdown_table(rows)
+    lines = table.splitlines()
+    assert len(lines) == 2 + len(rows)
+    assert len({line.count("|") for line in lines}) == 1  # every row has every column
+    assert "| selfspec | inf | 80.0 | 0.80 | 35.0 | 70.0 | 100 | 300 | 0.75 | 4.00 | - | 16/16 |" \
+        in table
+    assert "| plain | 0.5 | 20.0 | 1.00 | 40.0 | 80.0 | 100 | 300 | - | - |" in table
+    result = {"suite": "online", "partial": False, "started_utc": "s", "finished_utc": "f",
+              "duration_s": 1.0, "plan": online.online_plan(online.build_online_suite()),
+              "host": {"cpus": 2}, "loadavg_1min": {"min": 1.0, "median": 2.5, "max": 3.0},
+              "summary": rows}
+    md = online.render_markdown(result)
+    assert md.startswith("# Benchmark `online`") and "median 2.50" in md and table in md
+    path = online.write_plot(rows, tmp_path / "online")
+    assert path is not None and path.name == "online.png" and path.stat().st_size > 1000
+
+
+def test_online_suite_plan_and_client_command(tmp_path):
+    import math
+
+    from benchmarks import online
+
+    suite = online.build_online_suite()
+    assert [m.name for m in suite.methods] == ["plain", "selfspec", "ngram"]
+    assert suite.methods[0].spec is None and suite.methods[1].spec["adaptive"] is True
+    assert math.isinf(suite.rates[-1]) and len(suite.rates) >= 3
+    data = online.write_dataset(["a \"quoted\"\nprompt", "b"], tmp_path / "p.jsonl")
+    assert [json.loads(x)["prompt"] for x in data.read_text().splitlines()] == [
+        "a \"quoted\"\nprompt", "b"]
+    cmd = online.bench_serve_command("http://h:1", "tiny", "/m", data, math.inf, 16, 32,
+                                     tmp_path, "r.json")
+    assert cmd[3:5] == ["bench", "serve"]
+    flags = dict(zip(cmd[5::2], cmd[6::2], strict=False))
+    for flag in ("--skip-chat-template", "--disable-shuffle", "--ignore-eos",
+                 "--disable-tqdm", "--save-result"):
+        assert flag in cmd
+    cmd_s = " ".join(cmd)
+    assert "--request-rate inf" in cmd_s and "--dataset-name custom" in cmd_s
+    assert "--custom-output-len 32" in cmd_s and "--temperature 0" in cmd_s
+    assert flags.get("--backend") == "vllm"
+    assert run.main(["--suite", "online", "--dry-run", "--rates", "1,inf"]) == 0
+    with pytest.raises(SystemExit):
+        run.parse_args(["--suite", "online", "--rates", "0"])
+
+
+def test_online_client_entry_point_parses():
+    # vLLM's own CLI, reached through the shim, knows `bench serve` and every flag we pass
+    import math
+
+    from benchmarks import online
+
+    cmd = online.bench_serve_command("http://127.0.0.1:1", "tiny", "/m", Path("/p.jsonl"),
+                                     math.inf, 4, 8, Path("/tmp"), "r.json")
+    out = subprocess.run([*cmd[:5], "--help=all"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    for flag in cmd[5:]:
+        if flag.startswith("--"):
+            assert flag in out.stdout, flag
