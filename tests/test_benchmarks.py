@@ -247,6 +247,7 @@ def test_gpu_script_profiles_and_no_vllm():
 def _ctl(**kw):
     from vllm_selfspec.controller import ControllerConfig, DraftLengthController
 
+    kw.setdefault("explore_interval", 0)  # plain-step exploration has its own tests
     return DraftLengthController(ControllerConfig(k_max=4, probe_interval=4,
                                                   max_probe_interval=16, **kw))
 
