@@ -407,6 +407,7 @@ class OnlineSelector:
         if self.search is not None:
             out.update(self.search.summary())
         out["trace"] = list(self.trace)
+        out["history_tail"] = list(self.search.history[-100:]) if self.search is not None else []
         return out
 
 

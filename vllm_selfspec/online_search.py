@@ -331,6 +331,7 @@ class OnlineLayerSearch:
                 "step": self.steps,
                 "budget": self.budget,
                 "size": candidate.size,
+                "set": [list(candidate.attention), list(candidate.mlp)],
                 "matchness": round(hits / positions, 4),
                 "objective": round(obj, 4),
                 "incumbent": candidate == self.incumbent,
