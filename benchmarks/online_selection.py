@@ -178,6 +178,10 @@ def summarize(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
         drafted = sum(r["drafted"] for r in rows)
         return round(sum(r["accepted"] for r in rows) / drafted, 4) if drafted else None
 
+    def acceptance(rows: list[dict[str, Any]]) -> float | None:
+        drafted = sum(r["drafted"] for r in rows)
+        return round(sum(r["accepted"] for r in rows) / drafted, 4) if drafted else None
+
     out: dict[str, Any] = {}
     plain = results.get("plain")
     for name, res in results.items():
@@ -187,6 +191,8 @@ def summarize(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
             "speed_vs_plain": (round(res["tokens_per_s"] / plain["tokens_per_s"], 3)
                                if plain and plain["tokens_per_s"] else None),
             "final_acceptance": tail_acceptance(res),
+            "acceptance": acceptance(res["rounds"]),
+            "drafted": sum(r["drafted"] for r in res["rounds"]),
             "outputs_equal_plain": (
                 [r["output_ids"] for r in res["rounds"]]
                 == [r["output_ids"] for r in plain["rounds"]] if plain else None
@@ -202,6 +208,9 @@ def summarize(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
             "converged": converged is not None,
             "tokens_until_convergence": converged["cum_tokens"] if converged else None,
             "converged_reason": last.get("converged_reason"),
+            "acceptance_after_convergence": (
+                acceptance(rows[rows.index(converged):]) if converged else None
+            ),
             "search_passes": last.get("passes"),
             "overhead_s": last.get("overhead_s"),
             "overhead_share": (round(last["overhead_s"] / online["wall_s"], 4)
@@ -227,13 +236,15 @@ def render_markdown(doc: dict[str, Any]) -> str:
         f"{doc['host']['cpus']} CPUs. Online search knobs: "
         f"`{json.dumps(p['methods']['online']['online_search'])}`.",
         "",
-        "| method | tokens | tokens/s | vs plain | final acceptance | outputs == plain |",
-        "|---|---:|---:|---:|---:|:---:|",
+        "| method | tokens | tokens/s | vs plain | drafted | acceptance (all) | "
+        "final acceptance | outputs == plain |",
+        "|---|---:|---:|---:|---:|---:|---:|:---:|",
     ]
     for name, row in s.items():
         lines.append(
             f"| {name} | {row['tokens']} | {row['tokens_per_s']} | {row['speed_vs_plain']} | "
-            f"{row['final_acceptance']} | {row['outputs_equal_plain']} |"
+            f"{row.get('drafted')} | {row.get('acceptance')} | {row['final_acceptance']} | "
+            f"{row['outputs_equal_plain']} |"
         )
     o = s.get("online", {})
     if o:
@@ -244,11 +255,14 @@ def render_markdown(doc: dict[str, Any]) -> str:
             f"* converged: {o['converged']} ({o['converged_reason']}); tokens until convergence: "
             f"{o['tokens_until_convergence']}",
             f"* final set: attention {o['final_skip_attention']}, MLP {o['final_skip_mlp']} "
-            f"(matchness {o['final_matchness']}); {o['search_passes']} scoring passes",
+            f"(scored matchness {o['final_matchness']}); {o['search_passes']} scoring passes; "
+            f"live acceptance after convergence: {o.get('acceptance_after_convergence')}",
             f"* search overhead: {o['overhead_s']} s = {o['overhead_share']} of the online "
             f"engine's generation wall time",
             "",
-            "Final acceptance = accepted / drafted tokens over the last third of the rounds.",
+            "Final acceptance = accepted / drafted tokens over the last third of the rounds "
+            "(None: the draft-length controller had switched drafting off, no draft was "
+            "verified).",
         ]
     lines += ["", f"![acceptance vs generated tokens]({NAME}.png)", ""]
     return "\n".join(lines)
@@ -261,13 +275,16 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    colors = {"plain": "tab:blue", "online": "tab:orange", "profile": "tab:green"}
     for name, res in doc["results"].items():
+        color = colors.get(name)
         xs = [r["cum_tokens"] for r in res["rounds"]]
         acc = [r["acceptance"] for r in res["rounds"]]
         if any(a is not None for a in acc):
             ax1.plot(xs, [a if a is not None else float("nan") for a in acc], marker="o",
-                     label=name)
-        ax2.plot(xs, [r["tokens_per_s"] for r in res["rounds"]], marker=".", label=name)
+                     label=name, color=color)
+        ax2.plot(xs, [r["tokens_per_s"] for r in res["rounds"]], marker=".", label=name,
+                 color=color)
     conv = doc["summary"].get("online", {}).get("tokens_until_convergence")
     if conv:
         for ax in (ax1, ax2):
