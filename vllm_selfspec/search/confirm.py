@@ -185,7 +185,9 @@ def confirm_candidates(
                 stats = {}
         acc = acceptance_from_counters(runs["fixed"].spec, int(k))
         off = runs["off"].tokens_per_s
-        draft_s, step_s = stats.get("draft_cost_s"), stats.get("step_cost_s")
+        # the drafter's medians: one draft forward, one plain step (the "off" runs measure it)
+        draft_s = stats.get("draft_cost_s")
+        step_s = stats.get("plain_step_s") or (stats.get("verify_cost_s") or {}).get("0")
         entry = {
             "skip_attention": list(skip.attention),
             "skip_mlp": list(skip.mlp),
