@@ -303,6 +303,27 @@ def _fmt(key: str, row: Mapping[str, Any]) -> str:
     return str(v).replace("|", "\\|")
 
 
+def markdown_preamble(result: Mapping[str, Any], title: str, setup: str,
+                      load_context: str) -> list[str]:
+    """The lines every suite's Markdown starts with: title, partial-run banner, when / where it
+    ran, ``setup`` (what was run), and the machine's load during the run."""
+    host = result["host"]
+    lines = [f"# Benchmark `{result['suite']}`{title}", ""]
+    if result.get("partial"):
+        lines += ["**Partial results (the run was still going or was interrupted).**", ""]
+    lines += [
+        f"Run {result['started_utc']} .. {result['finished_utc']} ({result['duration_s']:.0f} s) "
+        f"on {host['cpus']} CPUs ({host.get('vllm', '?')}, torch {host.get('torch', '?')}). "
+        + setup,
+        "",
+    ]
+    la = result.get("loadavg_1min")
+    if la:
+        lines += [f"Machine load (1-min load average, {load_context}): "
+                  f"min {la['min']:.2f}, median {la['median']:.2f}, max {la['max']:.2f}.", ""]
+    return lines
+
+
 def markdown_table(rows: Sequence[Mapping[str, Any]],
                    columns: Sequence[tuple[str, str]] | None = None) -> str:
     """A GitHub Markdown table of summary rows. Columns that are empty in every row are dropped

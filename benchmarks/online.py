@@ -267,25 +267,18 @@ def markdown_table(rows: Sequence[Mapping[str, Any]]) -> str:
 
 
 def render_markdown(result: Mapping[str, Any]) -> str:
+    from benchmarks.analysis import markdown_preamble
+
     p = result["plan"]
-    la = result.get("loadavg_1min")
-    lines = [f"# Benchmark `{result['suite']}` (online serving)", ""]
-    if result.get("partial"):
-        lines += ["**Partial results (the run was still going or was interrupted).**", ""]
-    lines += [
-        f"Run {result['started_utc']} .. {result['finished_utc']} ({result['duration_s']:.0f} s) "
-        f"on {result['host']['cpus']} CPUs ({result['host'].get('vllm', '?')}, "
-        f"torch {result['host'].get('torch', '?')}). One OpenAI server per method "
+    lines = markdown_preamble(
+        result, " (online serving)",
+        f"One OpenAI server per method "
         f"(SmolLM2-135M-Instruct, fp32, eager, max_model_len {p['max_model_len']}), driven by "
         f"`vllm bench serve` at each request rate: {p['num_prompts']} `{p['dataset']}` prompts "
         f"(HumanEval / MT-bench, chat template applied), Poisson arrivals (seed {p['seed']}), "
         f"{p['output_len']} output tokens per request (`--ignore-eos`), greedy; k = {p['k']}. "
         f"{p.get('note', '')}.",
-        "",
-    ]
-    if la:
-        lines += [f"Machine load (1-min load average, 2 cores, other work running): "
-                  f"min {la['min']:.2f}, median {la['median']:.2f}, max {la['max']:.2f}.", ""]
+        "2 cores, other work running")
     lines += [markdown_table(result["summary"]), ""]
     if result.get("notes"):
         lines += [f"Note: {result['notes']}", ""]
@@ -376,7 +369,12 @@ class OnlineRunner:
 
     def run(self) -> dict[str, Any]:
         from benchmarks.run import prompt_sets, resolve_model
-        from tests.serve_utils import SERVED_MODEL_NAME, api_server, free_port, server_command
+        from vllm_selfspec.testing.serve import (
+            SERVED_MODEL_NAME,
+            api_server,
+            free_port,
+            server_command,
+        )
 
         suite = self.suite
         model_dir = resolve_model("smollm2")

@@ -477,22 +477,12 @@ class Runner:
 
 def render_markdown(result: dict[str, Any]) -> str:
     p = result["plan"]
-    la = result.get("loadavg_1min")
-    lines = [f"# Benchmark `{result['suite']}`", ""]
-    if result.get("partial"):
-        lines += ["**Partial results (the run was still going or was interrupted).**", ""]
-    lines += [
-        f"Run {result['started_utc']} .. {result['finished_utc']} ({result['duration_s']:.0f} s) "
-        f"on {result['host']['cpus']} CPUs ({result['host'].get('vllm', '?')}, "
-        f"torch {result['host'].get('torch', '?')}). "
+    lines = analysis.markdown_preamble(
+        result, "",
         f"{p['max_tokens']} new tokens per prompt, {p['batch1_prompts']} prompts one after "
         f"another at batch 1, one batch of B prompts otherwise; k = {p['k']}; fp32, eager; "
         f"up to {p['reps']} interleaved repetitions per cell (column `runs`).",
-        "",
-    ]
-    if la:
-        lines += [f"Machine load (1-min load average, 2 cores, other engines running): "
-                  f"min {la['min']:.2f}, median {la['median']:.2f}, max {la['max']:.2f}.", ""]
+        "2 cores, other engines running")
     rows = result["summary"]
     row_keys = [k for k in ("model_label", "dataset", "temperature", "method")
                 if k == "method" or len({r.get(k) for r in rows}) > 1]

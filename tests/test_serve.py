@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from tests.serve_utils import (
+from vllm_selfspec.testing.serve import (
     SERVED_MODEL_NAME,
     api_server,
     free_port,

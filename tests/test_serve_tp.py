@@ -9,7 +9,13 @@ from __future__ import annotations
 import pytest
 
 from tests.engine_utils import engine, token_ids
-from tests.serve_utils import SERVED_MODEL_NAME, api_server, free_port, metric_value, server_command
+from vllm_selfspec.testing.serve import (
+    SERVED_MODEL_NAME,
+    api_server,
+    free_port,
+    metric_value,
+    server_command,
+)
 
 pytestmark = pytest.mark.engine
 

@@ -435,16 +435,9 @@ def score_forward(
     teacher-forced, reading the paged cache and writing no KV (slot -1 everywhere).
     ``write_slots`` (tests only) uses the positions' real slots instead, i.e. overwrites the
     verified K/V of the window with the draft's."""
-    from vllm.forward_context import set_forward_context
-    from vllm.v1.attention.backend import CommonAttentionMetadata
-
-    runner = proposer.runner
-    device = proposer.device
     rows: np.ndarray = window["rows"]
     lengths: np.ndarray = window["lengths"]
     positions: np.ndarray = window["positions"]
-    num = len(rows)
-    num_tokens = int(lengths.sum())
     # The kernel treats a row's W queries as the last W positions of a sequence of length S and
     # lets query i see keys 0..S-W+i. With S = (last input position) instead of +1, every query q
     # sees the verified full-model K/V of positions 0..q-1 and NOT its own slot: the CPU backend
@@ -452,49 +445,17 @@ def score_forward(
     # itself, which leaks the full model's state of the scored token into the draft (measured on
     # SmolLM2: a 13-sub-layer set scored 0.75 that way, against ~0.5 live acceptance).
     ends = np.cumsum(lengths)
-    seq_lens_np = positions[ends - 1].astype(np.int32)
-    query_start_cpu = torch.zeros(num + 1, dtype=torch.int32)
+    query_start_cpu = torch.zeros(len(rows) + 1, dtype=torch.int32)
     query_start_cpu[1:] = torch.from_numpy(ends.astype(np.int32))
-    seq_lens_cpu = torch.from_numpy(seq_lens_np)
-    rows_t = torch.from_numpy(rows).to(device)
-    positions_t = torch.from_numpy(positions).to(device)
-    input_ids = torch.from_numpy(window["inputs"]).to(device)
-    no_slots = torch.full((num_tokens,), -1, dtype=torch.int64, device=device)
-    num_reqs = len(runner.input_batch.req_ids)
-
-    attn_metadata: dict[str, Any] = {}
-    slot_by_layer: dict[str, torch.Tensor] = {}
-    for gid, groups in enumerate(runner.attn_groups):
-        table = runner.input_batch.block_table[gid]
-        slots = no_slots
-        if write_slots:
-            block_size = table.block_size
-            row_of_token = np.repeat(rows, lengths)
-            block_ids = table.get_numpy_array()[row_of_token, positions // block_size]
-            slots = torch.from_numpy(
-                block_ids.astype(np.int64) * block_size + positions % block_size
-            ).to(device)
-        common = CommonAttentionMetadata(
-            query_start_loc=query_start_cpu.to(device),
-            query_start_loc_cpu=query_start_cpu,
-            seq_lens=seq_lens_cpu.to(device),
-            seq_lens_cpu_upper_bound=seq_lens_cpu,
-            num_reqs=num,
-            num_actual_tokens=num_tokens,
-            max_query_len=int(lengths.max()),
-            max_seq_len=int(seq_lens_np.max()),
-            block_table_tensor=table.get_device_tensor(num_reqs)[rows_t],
-            slot_mapping=slots,
-            causal=True,
-            positions=positions_t,
-        )
-        for group in groups:
-            metadata = group.build_metadata_for_drafting(common, 0)
-            for layer_name in group.layer_names:
-                attn_metadata[layer_name] = metadata
-                slot_by_layer[layer_name] = slots
-    with set_forward_context(
-        attn_metadata, proposer.vllm_config, num_tokens=num_tokens, slot_mapping=slot_by_layer
-    ):
-        hidden = proposer._forward(input_ids, positions_t, cand.attention, cand.mlp)
-    return proposer._target.compute_logits(hidden)
+    return proposer.run_skip_model(
+        rows=rows,
+        row_of_token=np.repeat(rows, lengths),
+        positions=positions,
+        tokens=window["inputs"],
+        query_start_cpu=query_start_cpu,
+        seq_lens_cpu=torch.from_numpy(positions[ends - 1].astype(np.int32)),
+        max_query_len=int(lengths.max()),
+        skip_attention=cand.attention,
+        skip_mlp=cand.mlp,
+        write_kv=write_slots,
+    )

@@ -18,6 +18,7 @@ from __future__ import annotations
 import inspect
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -334,37 +335,76 @@ class SelfSpecProposer:
         self, rows: np.ndarray, positions: np.ndarray, tokens: np.ndarray, step: int
     ) -> torch.Tensor:
         """One draft decode step for ``rows``; returns their logits ``[len(rows), vocab]``."""
+        num = len(rows)
+        return self.run_skip_model(
+            rows=rows,
+            row_of_token=rows,
+            positions=positions,
+            tokens=tokens,
+            query_start_cpu=torch.arange(num + 1, dtype=torch.int32),
+            seq_lens_cpu=torch.from_numpy((positions + 1).astype(np.int32)),
+            max_query_len=1,
+            skip_attention=self.skip_attention,
+            skip_mlp=self.skip_mlp,
+            step=step,
+        )
+
+    def run_skip_model(
+        self,
+        *,
+        rows: np.ndarray,
+        row_of_token: np.ndarray,
+        positions: np.ndarray,
+        tokens: np.ndarray,
+        query_start_cpu: torch.Tensor,
+        seq_lens_cpu: torch.Tensor,
+        max_query_len: int,
+        skip_attention: Sequence[int],
+        skip_mlp: Sequence[int],
+        step: int = 0,
+        write_kv: bool = True,
+    ) -> torch.Tensor:
+        """Logits ``[tokens, vocab]`` of the model with the given sub-layers skipped.
+
+        ``rows`` are the requests' rows in the input batch, ``row_of_token`` / ``positions`` /
+        ``tokens`` one entry per query token. Attention reads the paged cache through vLLM's own
+        metadata builders (``build_metadata_for_drafting``); the tokens' K/V is written to their
+        slots, or nowhere with ``write_kv=False`` (slot -1, the online scorer).
+        """
         from vllm.forward_context import set_forward_context
         from vllm.v1.attention.backend import CommonAttentionMetadata
 
         runner = self.runner
         device = self.device
-        num = len(rows)
+        num_tokens = len(tokens)
         rows_t = torch.from_numpy(rows).to(device)
         positions_t = torch.from_numpy(positions).to(device)
         input_ids = torch.from_numpy(tokens).to(device)
-        seq_lens_cpu = torch.from_numpy((positions + 1).astype(np.int32))
-        query_start_cpu = torch.arange(num + 1, dtype=torch.int32)
         query_start = query_start_cpu.to(device)
         seq_lens = seq_lens_cpu.to(device)
-        max_seq_len = int(positions.max()) + 1
+        max_seq_len = int(seq_lens_cpu.max())
         num_reqs = len(runner.input_batch.req_ids)
 
         attn_metadata: dict[str, Any] = {}
         slot_by_layer: dict[str, torch.Tensor] = {}
         for gid, groups in enumerate(runner.attn_groups):
             table = runner.input_batch.block_table[gid]
-            block_size = table.block_size
-            block_ids = table.get_numpy_array()[rows, positions // block_size].astype(np.int64)
-            slots = torch.from_numpy(block_ids * block_size + positions % block_size).to(device)
+            if write_kv:
+                block_size = table.block_size
+                block_ids = table.get_numpy_array()[row_of_token, positions // block_size]
+                slots = torch.from_numpy(
+                    block_ids.astype(np.int64) * block_size + positions % block_size
+                ).to(device)
+            else:
+                slots = torch.full((num_tokens,), -1, dtype=torch.int64, device=device)
             common = CommonAttentionMetadata(
                 query_start_loc=query_start,
                 query_start_loc_cpu=query_start_cpu,
                 seq_lens=seq_lens,
                 seq_lens_cpu_upper_bound=seq_lens_cpu,
-                num_reqs=num,
-                num_actual_tokens=num,
-                max_query_len=1,
+                num_reqs=len(rows),
+                num_actual_tokens=num_tokens,
+                max_query_len=max_query_len,
                 max_seq_len=max_seq_len,
                 block_table_tensor=table.get_device_tensor(num_reqs)[rows_t],
                 slot_mapping=slots,
@@ -377,9 +417,9 @@ class SelfSpecProposer:
                     attn_metadata[layer_name] = metadata
                     slot_by_layer[layer_name] = slots
         with set_forward_context(
-            attn_metadata, self.vllm_config, num_tokens=num, slot_mapping=slot_by_layer
+            attn_metadata, self.vllm_config, num_tokens=num_tokens, slot_mapping=slot_by_layer
         ):
-            hidden = self._forward(input_ids, positions_t, self.skip_attention, self.skip_mlp)
+            hidden = self._forward(input_ids, positions_t, skip_attention, skip_mlp)
         return self._target.compute_logits(hidden)
 
     def _pick_tokens(

@@ -1,4 +1,5 @@
-"""Test helpers: tiny random-weight models with a locally trained tokenizer (no hub needed)."""
+"""Test helpers: tiny random-weight models with a locally trained tokenizer (no hub needed), and
+an OpenAI-server harness (:mod:`vllm_selfspec.testing.serve`)."""
 
 from vllm_selfspec.testing.tiny_models import (
     TINY_ARCHS,

@@ -1,4 +1,6 @@
-"""Helpers for the serving tests: start/stop vLLM's OpenAI server, read /metrics, measure RSS.
+"""Start and stop vLLM's OpenAI server, read /metrics, measure RSS.
+
+Used by the serving tests and by the online benchmark.
 
 The server is ``python -m vllm.entrypoints.openai.api_server`` (the CPU build's ``vllm`` console
 script does not work, see README), started in its own session so that the whole process tree
