@@ -89,3 +89,24 @@ def test_flat_round_trip_and_padding() -> None:
     padded = flat + [-1.0] * 8 + [0.0, 2.0]  # padding and a ragged tail are ignored
     assert StepCosts.from_flat(padded) == c
     assert not StepCosts.from_flat([])
+
+
+def test_ready_keys_counts_keys_as_they_reach_min_samples() -> None:
+    rec = StepCostRecorder(window=4, min_samples=3)
+    seen = []
+    for _ in range(6):  # one key: counted once, when its third sample lands, never again
+        rec.observe_verify(8, 0, 0.1)
+        seen.append(rec.ready_keys)
+    assert seen == [0, 0, 1, 1, 1, 1]
+    for _ in range(3):
+        rec.observe_draft(8, 0.05)
+    rec.observe_verify(8, 32, 0.3)  # rejected / young keys do not count
+    rec.observe_verify(8, 0, math.nan)
+    assert rec.ready_keys == 2
+    assert len(rec.snapshot().verify) + len(rec.snapshot().draft) == rec.ready_keys
+    full = StepCostRecorder(window=2, min_samples=2)
+    for _ in range(5):
+        full.observe_draft(1, 0.01)
+    assert full.ready_keys == 1
+    with pytest.raises(ValueError):
+        StepCostRecorder(window=2, min_samples=3)

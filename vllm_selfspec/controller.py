@@ -39,7 +39,9 @@ Two mechanisms, both per request:
    baseline of every decision, but an engine that always drafts never measures it: the first
    plan for a batch-size bucket, and then one plan every ``explore_interval`` drafting steps of
    that bucket, drafts nothing (about 1.5% of the steps with the default 64); until the cost table
-   has a plain step of that size (3 samples), one every 8 drafting steps.
+   has a plain step of that size (3 samples), one every 2 drafting steps, so that a new batch size
+   stops planning with another size's costs within a few steps (the drafter hands the controller
+   a new cost table as soon as it gains an entry).
 
 4. **Engine-wide acceptance prior** (``engine_prior``). A new request's acceptance estimate starts
    from the engine-wide per-token acceptance (discounted counts over every verification of every
@@ -614,6 +616,5 @@ class DraftLengthController:
         self._window = _Window()
 
 
-_SNAPSHOT_STEPS = 16  # how often (steps) the drafter hands the controller a new cost snapshot
-_EARLY_EXPLORE_INTERVAL = 8  # drafting steps between plain steps until a plain cost is known
+_EARLY_EXPLORE_INTERVAL = 2  # drafting steps between plain steps until a plain cost is known
 _MAX_COST_BOUND_INTERVAL = 4096  # the cost bound on probe intervals never exceeds this

@@ -99,6 +99,7 @@ class SelfSpecProposer:
         self._last_req_ids: list[str] = []
         self._costs = StepCostRecorder()
         self._steps_since_cost_sync = 0
+        self._synced_keys = 0
         self._draft_confidences: dict[str, list[float]] = {}
         self._next_log = time.monotonic() + _log_interval()
         self._bad_override_warned: set[str] = set()
@@ -453,12 +454,16 @@ class SelfSpecProposer:
     # --- costs, logging, introspection -----------------------------------------------------------
 
     def _update_costs(self) -> None:
-        """Every ``_COST_SYNC_INTERVAL`` steps, hand the controller the measured cost table
-        (rank 0's on every tensor-parallel rank: every rank must take the same decisions)."""
+        """Hand the controller the measured cost table (rank 0's on every tensor-parallel rank:
+        every rank must take the same decisions) as soon as it gains an entry, and every
+        ``_COST_SYNC_INTERVAL`` steps for the medians' drift. A new entry is what a plan at a
+        new batch size waits for; the event is the same on every rank (sample counts are)."""
         self._steps_since_cost_sync += 1
-        if self._steps_since_cost_sync < _COST_SYNC_INTERVAL:
+        ready = self._costs.ready_keys
+        if self._steps_since_cost_sync < _COST_SYNC_INTERVAL and ready == self._synced_keys:
             return
         self._steps_since_cost_sync = 0
+        self._synced_keys = ready
         flat = self._costs.snapshot().to_flat()
         if self._tp_world_size > 1:
             from vllm.distributed import get_tp_group

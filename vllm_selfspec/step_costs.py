@@ -162,12 +162,24 @@ class StepCosts:
 class StepCostRecorder:
     """Collects step-cost samples on one worker; :meth:`snapshot` gives their medians."""
 
-    def __init__(self, window: int = 15) -> None:
+    def __init__(self, window: int = 15, min_samples: int = 3) -> None:
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
+        if not 1 <= min_samples <= window:
+            raise ValueError(f"min_samples must be in [1, window], got {min_samples}")
         self.window = window
+        self.min_samples = min_samples
         self._verify: dict[tuple[int, float], deque[float]] = {}
         self._draft: dict[int, deque[float]] = {}
+        #: how many keys have reached ``min_samples`` samples: grows exactly when a snapshot
+        #: would gain an entry (the same on every tensor-parallel rank: all observe the same steps)
+        self.ready_keys = 0
+
+    def _append(self, samples: deque[float], seconds: float) -> None:
+        before = len(samples)
+        samples.append(seconds)
+        if before < self.min_samples <= len(samples):
+            self.ready_keys += 1
 
     def observe_verify(self, batch_size: int, draft_tokens: int, seconds: float) -> None:
         """A verification step of ``batch_size`` requests and ``draft_tokens`` drafts took
@@ -175,17 +187,20 @@ class StepCostRecorder:
         if batch_size < 1 or draft_tokens < 0 or not _valid(seconds):
             return
         key = (bucket(batch_size), quantise_x(draft_tokens, batch_size))
-        self._verify.setdefault(key, deque(maxlen=self.window)).append(seconds)
+        self._append(self._verify.setdefault(key, deque(maxlen=self.window)), seconds)
 
     def observe_draft(self, rows: int, seconds: float) -> None:
         """One draft forward over ``rows`` rows took ``seconds``."""
         if rows < 1 or not _valid(seconds):
             return
-        self._draft.setdefault(bucket(rows), deque(maxlen=self.window)).append(seconds)
+        self._append(self._draft.setdefault(bucket(rows), deque(maxlen=self.window)), seconds)
 
-    def snapshot(self, min_samples: int = 3) -> StepCosts:
-        """Medians of the keys with at least ``min_samples`` samples (a key's first samples
-        can all be slow: a new input shape's first run builds kernels and buffers)."""
+    def snapshot(self, min_samples: int | None = None) -> StepCosts:
+        """Medians of the keys with at least ``min_samples`` (default: the recorder's) samples
+        (a key's first samples can all be slow: a new input shape's first run builds kernels and
+        buffers)."""
+        if min_samples is None:
+            min_samples = self.min_samples
         return StepCosts(
             verify={k: float(np.median(v)) for k, v in self._verify.items()
                     if len(v) >= min_samples},
