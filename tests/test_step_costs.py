@@ -110,3 +110,20 @@ def test_ready_keys_counts_keys_as_they_reach_min_samples() -> None:
     assert full.ready_keys == 1
     with pytest.raises(ValueError):
         StepCostRecorder(window=2, min_samples=3)
+
+
+def test_verification_is_not_free_where_only_another_batch_size_measured_it() -> None:
+    # bucket 8 measured verifications (4 drafts per request: 3x a plain step); bucket 32 has
+    # only its plain step (every plan there was plain so far)
+    c = StepCosts(verify={(8, 0.0): 0.1, (8, 4.0): 0.3, (32, 0.0): 0.2})
+    assert c.plain_cost(32) == pytest.approx(0.2)
+    assert c.verify_cost(32, 4.0) == pytest.approx(0.6)  # bucket 8's curve, scaled to 32's plain
+    assert c.verify_cost(32, 2.0) == pytest.approx(0.4)
+    # a bucket's own measurement wins inside its range; beyond it, the higher of the two
+    c = StepCosts(verify={(8, 0.0): 0.1, (8, 4.0): 0.3, (32, 0.0): 0.2, (32, 0.25): 0.2})
+    assert c.verify_cost(32, 0.25) == pytest.approx(0.2)
+    assert c.verify_cost(32, 4.0) == pytest.approx(0.6)
+    c = StepCosts(verify={(8, 0.0): 0.1, (8, 4.0): 0.3, (32, 0.0): 0.2, (32, 2.0): 0.8})
+    assert c.verify_cost(32, 4.0) == pytest.approx(1.4)  # its own steeper line
+    # with no other bucket to borrow from, the own line (flat for a plain step alone)
+    assert StepCosts(verify={(32, 0.0): 0.2}).verify_cost(32, 4.0) == pytest.approx(0.2)

@@ -28,6 +28,8 @@ Two mechanisms, both per request:
    ``sum_i E(a_i, k_i)`` tokens in ``c_verify(B, sum k_i) + sum_j c_draft(rows drafting at j)``;
    :meth:`DraftLengthController.plan` picks the drafting requests (highest ``a`` first) and their
    common cap ``K`` that maximise tokens per second, against ``B / c_plain(B)`` for no drafting.
+   Drafting must beat plain decoding by ``min_gain`` (5%): closer to break-even the decision
+   would follow the noise of the measured costs.
    A request whose drafts do not pay even when it is alone (``B = 1`` costs) is "off": it drafts
    nothing and is re-probed with a small budget every ``probe_interval`` of its steps, the
    interval doubling (up to ``max_probe_interval``) while probes keep failing, and never more often
@@ -149,6 +151,7 @@ class ControllerConfig:
     calibration_bins: int = 10
     calibration_min_count: float = 8.0  # discounted verified drafts a bin needs to be trusted
     calibration_decay: float = 0.998  # discount of the calibration counts per verified draft
+    min_gain: float = 0.05  # drafting must beat plain decoding by this share (measurement noise)
 
     def __post_init__(self) -> None:
         if isinstance(self.k_max, bool) or not isinstance(self.k_max, int) or self.k_max < 1:
@@ -164,6 +167,8 @@ class ControllerConfig:
             raise ValueError("need 1 <= probe_interval <= max_probe_interval and probe_budget >= 1")
         if self.explore_interval < 0 or self.calibration_bins < 1:
             raise ValueError("need explore_interval >= 0 and calibration_bins >= 1")
+        if not 0.0 <= self.min_gain < 1.0:
+            raise ValueError(f"min_gain must be in [0, 1), got {self.min_gain!r}")
 
 
 @dataclass
@@ -395,7 +400,7 @@ class DraftLengthController:
         # ties go to the smaller k: only a strict improvement over plain counts
         best = rate.argmax(axis=1)
         best_rate = rate[np.arange(len(best)), best]
-        return np.where(best_rate > 1.0 + 1e-12, best, 0)
+        return np.where(best_rate > 1.0 + cfg.min_gain, best, 0)
 
     def _batch_plan(self, batch_size: int, acceptances: np.ndarray, caps: np.ndarray,
                     fixed: list[tuple[float, int]]) -> np.ndarray:
@@ -432,7 +437,7 @@ class DraftLengthController:
 
         base_time = step_time(np.array([fixed_extra]), [np.array([fixed_rows[j]])
                                                         for j in range(1, depth + 1)])[0]
-        best_rate = (b + fixed_gain) / base_time
+        best_rate = base_rate = (b + fixed_gain) / base_time
         best = (0, 0)
         zero = np.zeros(1)
         for cap_k in range(1, kmax + 1):
@@ -443,7 +448,7 @@ class DraftLengthController:
                     for j in range(1, depth + 1)]
             rate = (b + fixed_gain + gain) / step_time(extra, rows)
             m = int(rate[1:].argmax()) + 1
-            if rate[m] > best_rate * (1.0 + 1e-9):
+            if rate[m] > best_rate * (1.0 + 1e-9) and rate[m] > base_rate * (1.0 + cfg.min_gain):
                 best_rate, best = float(rate[m]), (cap_k, m)
         cap_k, m = best
         if m:

@@ -84,29 +84,56 @@ class StepCosts:
         """Whether a plain step of this batch size's own bucket has been measured."""
         return (bucket(batch_size), 0.0) in self.verify
 
+    def _curve(self, b: int) -> tuple[np.ndarray, np.ndarray]:
+        """Bucket ``b``'s measured ``(x, seconds)`` points, sorted by ``x``."""
+        points = sorted((xx, c) for (bb, xx), c in self.verify.items() if bb == b)
+        return np.array([p[0] for p in points]), np.array([p[1] for p in points])
+
+    @staticmethod
+    def _along(px: np.ndarray, py: np.ndarray, xs: np.ndarray) -> np.ndarray:
+        """Linear interpolation; above the largest ``x``, linear extrapolation along the line
+        through the first point and the last (never decreasing)."""
+        out = np.interp(xs, px, py)
+        if len(px) > 1:
+            slope = max((py[-1] - py[0]) / (px[-1] - px[0]), 0.0)
+            out = np.where(xs > px[-1], py[-1] + slope * (xs - px[-1]), out)
+        return out
+
+    def _reference_bucket(self, b: int) -> int | None:
+        """The nearest other bucket (larger first on ties) with a plain step and a measured
+        verification of drafts: the shape of its cost curve stands in where ``b`` has none."""
+        refs = {bb for bb, x in self.verify if x > 0.0 and bb != b
+                and (bb, 0.0) in self.verify}
+        if not refs:
+            return None
+        return min(refs, key=lambda bb: (abs(bb.bit_length() - b.bit_length()), -bb))
+
     def verify_cost(self, batch_size: int, x: float | np.ndarray) -> float | np.ndarray:
         """Verification cost for ``x`` draft tokens per request (array-valued for an array).
 
-        Linear interpolation between measured ``x``; above the largest, linear extrapolation
-        along the line through the plain step and the largest measured ``x``. With nothing
-        measured the cost is 1.0 everywhere (unit time, verification assumed free: the
-        paper's assumption until a measurement says otherwise)."""
+        Linear interpolation between the bucket's measured ``x``; above the largest, linear
+        extrapolation along the line through the plain step and the largest measured ``x``.
+        Where that extrapolation (or a bucket with only its plain step) would price drafts below
+        what the nearest bucket with measured verifications says, that bucket's curve, scaled by
+        the plain steps' ratio, is used instead: verification is never assumed free at one batch
+        size because it has only been measured at another. With nothing measured the cost is 1.0
+        everywhere (unit time, verification free: the paper's assumption until a measurement
+        says otherwise)."""
         b = self._verify_bucket(batch_size)
         xs_in = np.asarray(x, dtype=np.float64)
         if b is None:
             out = np.ones_like(xs_in)
             return float(out) if np.ndim(x) == 0 else out
-        points = sorted((xx, c) for (bb, xx), c in self.verify.items() if bb == b)
-        px = np.array([p[0] for p in points])
-        py = np.array([p[1] for p in points])
+        px, py = self._curve(b)
         if px[0] > 0.0:  # no plain step measured: assume verification free below the first x
             px = np.concatenate([[0.0], px])
             py = np.concatenate([[py[0]], py])
-        out = np.interp(xs_in, px, py)
-        if len(px) > 1:
-            slope = max((py[-1] - py[0]) / (px[-1] - px[0]), 0.0)
-            above = xs_in > px[-1]
-            out = np.where(above, py[-1] + slope * (xs_in - px[-1]), out)
+        out = self._along(px, py, xs_in)
+        ref = self._reference_bucket(b) if (b, 0.0) in self.verify else None
+        if ref is not None:
+            rx, ry = self._curve(ref)
+            scaled = self._along(rx, ry, xs_in) * (py[0] / ry[0])
+            out = np.where(xs_in > px[-1], np.maximum(out, scaled), out)
         return float(out) if np.ndim(x) == 0 else out
 
     def plain_cost(self, batch_size: int) -> float:
