@@ -324,7 +324,7 @@ def test_batch_aware_budget():
 
     # batch 32: a draft forward costs 0.2 plain steps, verification is free
     c = DraftLengthController(ControllerConfig(k_max=4, explore_interval=0))
-    c.set_step_costs(StepCosts(verify={(1, 0.0): 1.0, (32, 0.0): 1.0},
+    c.set_step_costs(StepCosts(verify={(1, 0.0): 1.0, (32, 0.0): 1.0, (32, 4.0): 1.0},
                                draft={1: 0.2, 32: 0.2}))
     # one request with a = 0.35 and 31 that do not draft: alone it would draft (a > r = 0.2),
     # but its gain does not pay for 32 requests waiting

@@ -472,3 +472,21 @@ def test_min_gain_keeps_drafting_off_near_break_even() -> None:
         assert (ctl.plan(["r"])[0] > 0) == drafts, (draft, min_gain)
     with pytest.raises(ValueError):
         make(min_gain=1.0)
+
+
+def test_new_batch_size_ramps_up_its_drafts() -> None:
+    # batch 8 has only its plain step measured (verification borrowed from batch 1, nearly
+    # free): the plan verifies at most 1 draft per request until more has been measured there
+    ctl = make(k_max=4)
+    base = {(1, 0.0): 1.0, (1, 4.0): 1.0, (8, 0.0): 1.0}
+    ctl.set_step_costs(StepCosts(verify=base, draft={1: 0.05, 8: 0.05}))
+    ids = [f"r{i}" for i in range(8)]
+    for rid in ids:
+        for _ in range(10):
+            ctl.observe_verification(rid, drafted=4, accepted=4)
+    assert ctl.plan(ids) == [1] * 8
+    ctl.set_step_costs(StepCosts(verify={**base, (8, 1.0): 1.0}, draft={1: 0.05, 8: 0.05}))
+    assert ctl.plan(ids) == [2] * 8  # twice what was measured
+    ctl.set_step_costs(StepCosts(verify={**base, (8, 2.0): 1.0}, draft={1: 0.05, 8: 0.05}))
+    assert ctl.plan(ids) == [4] * 8
+    assert make(k_max=4).plan(["fresh"])[0] >= 2  # nothing measured at all: no ramp

@@ -29,7 +29,9 @@ Two mechanisms, both per request:
    :meth:`DraftLengthController.plan` picks the drafting requests (highest ``a`` first) and their
    common cap ``K`` that maximise tokens per second, against ``B / c_plain(B)`` for no drafting.
    Drafting must beat plain decoding by ``min_gain`` (5%): closer to break-even the decision
-   would follow the noise of the measured costs.
+   would follow the noise of the measured costs. A plan verifies at most twice the draft tokens
+   per request measured so far at its batch size (at least one): a new batch size is learnt
+   from cheap steps before a costly one is risked on costs borrowed from another size.
    A request whose drafts do not pay even when it is alone (``B = 1`` costs) is "off": it drafts
    nothing and is re-probed with a small budget every ``probe_interval`` of its steps, the
    interval doubling (up to ``max_probe_interval``) while probes keep failing, and never more often
@@ -438,6 +440,10 @@ class DraftLengthController:
         base_time = step_time(np.array([fixed_extra]), [np.array([fixed_rows[j]])
                                                         for j in range(1, depth + 1)])[0]
         best_rate = base_rate = (b + fixed_gain) / base_time
+        # ramp: at most twice the drafts per request measured at this batch size (at least 1),
+        # so a new batch size learns its verification cost from cheap steps first
+        # (with nothing measured yet there is nothing to protect: the first steps measure)
+        x_limit = max(1.0, 2.0 * c.measured_x(batch_size)) if c else math.inf
         best = (0, 0)
         zero = np.zeros(1)
         for cap_k in range(1, kmax + 1):
@@ -447,6 +453,7 @@ class DraftLengthController:
             rows = [fixed_rows[j] + np.concatenate([zero, np.cumsum(kk >= j)])
                     for j in range(1, depth + 1)]
             rate = (b + fixed_gain + gain) / step_time(extra, rows)
+            rate[1:] = np.where(extra[1:] <= x_limit * b + 1e-9, rate[1:], -np.inf)
             m = int(rate[1:].argmax()) + 1
             if rate[m] > best_rate * (1.0 + 1e-9) and rate[m] > base_rate * (1.0 + cfg.min_gain):
                 best_rate, best = float(rate[m]), (cap_k, m)

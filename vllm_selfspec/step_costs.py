@@ -136,6 +136,12 @@ class StepCosts:
             out = np.where(xs_in > px[-1], np.maximum(out, scaled), out)
         return float(out) if np.ndim(x) == 0 else out
 
+    def measured_x(self, batch_size: int) -> float:
+        """The most draft tokens per request whose verification has been measured in
+        ``batch_size``'s own bucket (0.0: none)."""
+        b = bucket(batch_size)
+        return max((x for bb, x in self.verify if bb == b), default=0.0)
+
     def plain_cost(self, batch_size: int) -> float:
         return float(self.verify_cost(batch_size, 0.0))
 
