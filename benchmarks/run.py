@@ -508,7 +508,8 @@ def render_markdown(result: dict[str, Any]) -> str:
 
 
 def _drafter_delta(before: dict, after: dict) -> dict[str, Any]:
-    out = {key: after.get(key) for key in ("draft_cost_s", "plain_step_s", "verify_cost_s")}
+    out = {key: after.get(key)
+           for key in ("draft_cost_s", "plain_step_s", "verify_cost_s", "cost_table")}
     for key in ("steps", "steps_with_drafts", "draft_forwards", "draft_tokens",
                 "rows_considered", "rows_drafting", "rows_off"):
         if key in after:

@@ -517,6 +517,11 @@ class SelfSpecProposer:
             "plain_step_s": plain if costs.has_plain(batch) else None,
             "verify_cost_s": {f"{x:g}": c for (b, x), c in sorted(costs.verify.items())
                               if b == costs._verify_bucket(batch)},
+            # the whole table: "bucket:x" -> verification step, "bucket" -> one draft forward
+            "cost_table": {
+                "verify": {f"{b}:{x:g}": c for (b, x), c in sorted(costs.verify.items())},
+                "draft": {str(b): c for b, c in sorted(costs.draft.items())},
+            },
             "skip_attention": sorted(self.skip_attention),
             "skip_mlp": sorted(self.skip_mlp),
             "k_max": self.k_max,
