@@ -112,61 +112,134 @@ def functional_requests(stops: dict[str, list[str]]) -> dict[str, tuple[str, dic
     for i, (p, n) in enumerate(zip(prompts[:6], [40, 25, 7, 1, 60, 33], strict=True)):
         reqs[f"cmpl_{i}"] = ("cmpl", {"prompt": p, "max_tokens": n, **GREEDY, **lp, **_xb()})
         reqs[f"cmpl_stream_{i}"] = (
-            "cmpl", {"prompt": p, "max_tokens": n, "stream": True, **GREEDY, **lp, **_xb()})
+            "cmpl",
+            {"prompt": p, "max_tokens": n, "stream": True, **GREEDY, **lp, **_xb()},
+        )
     reqs["cmpl_batch_prompts"] = (
-        "cmpl", {"prompt": prompts[6:10], "max_tokens": 30, **GREEDY, **_xb()})
+        "cmpl",
+        {"prompt": prompts[6:10], "max_tokens": 30, **GREEDY, **_xb()},
+    )
     reqs["cmpl_token_prompt"] = (
-        "cmpl", {"prompt": _token_prompt(50, 7), "max_tokens": 40, **GREEDY, **_xb()})
+        "cmpl",
+        {"prompt": _token_prompt(50, 7), "max_tokens": 40, **GREEDY, **_xb()},
+    )
     n_cmpl = {"max_tokens": 30, "n": 3, **ARGMAX_SAMPLED, **_xb(top_k=1)}
     reqs["cmpl_n3"] = ("cmpl", {"prompt": prompts[1], **n_cmpl})
     reqs["cmpl_n3_stream"] = ("cmpl", {"prompt": prompts[2], "stream": True, **n_cmpl})
-    reqs["chat"] = ("chat", {"messages": chat, "max_tokens": 40, "logprobs": True,
-                             "top_logprobs": 2, **GREEDY, **_xb()})
-    reqs["chat_stream"] = ("chat", {"messages": chat, "max_tokens": 40, "stream": True,
-                                    "logprobs": True, "top_logprobs": 2, **GREEDY, **_xb()})
+    reqs["chat"] = (
+        "chat",
+        {
+            "messages": chat,
+            "max_tokens": 40,
+            "logprobs": True,
+            "top_logprobs": 2,
+            **GREEDY,
+            **_xb(),
+        },
+    )
+    reqs["chat_stream"] = (
+        "chat",
+        {
+            "messages": chat,
+            "max_tokens": 40,
+            "stream": True,
+            "logprobs": True,
+            "top_logprobs": 2,
+            **GREEDY,
+            **_xb(),
+        },
+    )
     n_chat = {"messages": chat, "max_tokens": 25, "n": 2, **ARGMAX_SAMPLED, **_xb(top_k=1)}
     reqs["chat_n2"] = ("chat", n_chat)
     reqs["chat_n2_stream"] = ("chat", {**n_chat, "stream": True})
     reqs["chat_eos"] = (  # may end on <|im_end|> / EOS: finish reasons must agree too
-        "chat", {"messages": chat[1:], "max_tokens": 60, **GREEDY,
-                 "extra_body": {"return_token_ids": True}})
+        "chat",
+        {
+            "messages": chat[1:],
+            "max_tokens": 60,
+            **GREEDY,
+            "extra_body": {"return_token_ids": True},
+        },
+    )
     # stop strings picked from the plain output (so they do occur), streaming and not
     for i, stop in stops.items():
         base = {"prompt": prompts[int(i)], "max_tokens": 60, "stop": stop, **GREEDY, **_xb()}
         reqs[f"stop_{i}"] = ("cmpl", base)
         reqs[f"stop_stream_{i}"] = ("cmpl", {**base, "stream": True})
-        reqs[f"stop_incl_{i}"] = (
-            "cmpl", {**base, **_xb(include_stop_str_in_output=True)})
+        reqs[f"stop_incl_{i}"] = ("cmpl", {**base, **_xb(include_stop_str_in_output=True)})
     reqs["stop_token_ids"] = (
-        "cmpl", {"prompt": prompts[3], "max_tokens": 60, **GREEDY,
-                 **_xb(stop_token_ids=_corpus_ids()[20:60:3])})
+        "cmpl",
+        {
+            "prompt": prompts[3],
+            "max_tokens": 60,
+            **GREEDY,
+            **_xb(stop_token_ids=_corpus_ids()[20:60:3]),
+        },
+    )
     # max_tokens running into max_model_len: clipped to the room left, finish reason "length"
     for n_prompt, max_tokens in [(170, 64), (150, 42), (189, 3), (191, 100)]:
         reqs[f"max_model_len_{n_prompt}"] = (
-            "cmpl", {"prompt": _token_prompt(n_prompt, n_prompt), "max_tokens": max_tokens,
-                     **GREEDY, **_xb()})
+            "cmpl",
+            {
+                "prompt": _token_prompt(n_prompt, n_prompt),
+                "max_tokens": max_tokens,
+                **GREEDY,
+                **_xb(),
+            },
+        )
     reqs["max_model_len_stream"] = (
-        "cmpl", {"prompt": _token_prompt(172, 3), "max_tokens": 64, "stream": True, **GREEDY,
-                 **_xb()})
+        "cmpl",
+        {"prompt": _token_prompt(172, 3), "max_tokens": 64, "stream": True, **GREEDY, **_xb()},
+    )
     reqs["max_model_len_chat"] = (
-        "chat", {"messages": [{"role": "user", "content": " ".join(prompts)[:300]}],
-                 **GREEDY, **_xb()})  # no max_tokens: all the room that is left
+        "chat",
+        {"messages": [{"role": "user", "content": " ".join(prompts)[:300]}], **GREEDY, **_xb()},
+    )  # no max_tokens: all the room that is left
     # per-request draft caps (flat vllm_xargs keys): off, 1, always-k
-    for name, xargs in [("off", {"selfspec_num_speculative_tokens": 0}),
-                        ("cap1", {"selfspec_num_speculative_tokens": 1}),
-                        ("fixed_k", {"selfspec_adaptive": 0})]:
+    for name, xargs in [
+        ("off", {"selfspec_num_speculative_tokens": 0}),
+        ("cap1", {"selfspec_num_speculative_tokens": 1}),
+        ("fixed_k", {"selfspec_adaptive": 0}),
+    ]:
         reqs[f"xargs_{name}"] = (
-            "cmpl", {"prompt": prompts[4], "max_tokens": 50, **GREEDY, **_xb(vllm_xargs=xargs)})
+            "cmpl",
+            {"prompt": prompts[4], "max_tokens": 50, **GREEDY, **_xb(vllm_xargs=xargs)},
+        )
     return reqs
 
 
 SAMPLED_REQUESTS = {
-    "sampled_n4": ("cmpl", {"prompt": "Once upon a time", "max_tokens": 24, "n": 4,
-                            "temperature": 0.9, "top_p": 0.95, "seed": 7, **_xb()}),
-    "sampled_stream": ("cmpl", {"prompt": "The weather today", "max_tokens": 24, "stream": True,
-                                "temperature": 1.0, **_xb(top_k=20)}),
-    "sampled_chat": ("chat", {"messages": [{"role": "user", "content": "Tell me a story."}],
-                              "max_tokens": 24, "temperature": 0.7, **_xb()}),
+    "sampled_n4": (
+        "cmpl",
+        {
+            "prompt": "Once upon a time",
+            "max_tokens": 24,
+            "n": 4,
+            "temperature": 0.9,
+            "top_p": 0.95,
+            "seed": 7,
+            **_xb(),
+        },
+    ),
+    "sampled_stream": (
+        "cmpl",
+        {
+            "prompt": "The weather today",
+            "max_tokens": 24,
+            "stream": True,
+            "temperature": 1.0,
+            **_xb(top_k=20),
+        },
+    ),
+    "sampled_chat": (
+        "chat",
+        {
+            "messages": [{"role": "user", "content": "Tell me a story."}],
+            "max_tokens": 24,
+            "temperature": 0.7,
+            **_xb(),
+        },
+    ),
 }
 
 
@@ -227,8 +300,13 @@ def summarize_stream(kind: str, chunks: list[Any]) -> dict[str, Any]:
         for c in chunk.choices:
             d = choices.setdefault(
                 c.index,
-                {"text": "", "logprobs": None, "token_ids": [], "finish_reason": None,
-                 "stop_reason": None},
+                {
+                    "text": "",
+                    "logprobs": None,
+                    "token_ids": [],
+                    "finish_reason": None,
+                    "stop_reason": None,
+                },
             )
             if kind == "cmpl":
                 d["text"] += c.text or ""
@@ -299,8 +377,14 @@ def load_requests(n: int = LOAD_REQUESTS, seed: int = 0) -> list[dict[str, Any]]
     """Mixed lengths; greedy and sampled; streamed and not; some clients disconnect early."""
     rng = random.Random(seed)
     prompts = _corpus_prompts()
-    caps = [None, None, None, {"selfspec_num_speculative_tokens": 0},
-            {"selfspec_num_speculative_tokens": 2}, {"selfspec_adaptive": 0}]
+    caps = [
+        None,
+        None,
+        None,
+        {"selfspec_num_speculative_tokens": 0},
+        {"selfspec_num_speculative_tokens": 2},
+        {"selfspec_adaptive": 0},
+    ]
     out = []
     for i in range(n):
         role = ("greedy", "greedy", "greedy", "sampled", "disconnect", "greedy_chat")[i % 6]
@@ -329,8 +413,15 @@ def load_requests(n: int = LOAD_REQUESTS, seed: int = 0) -> list[dict[str, Any]]
             kwargs["temperature"] = rng.choice([0.0, 0.8])
             disconnect_after = rng.choice([1, 3, 8])
         kwargs["stream"] = role == "disconnect" or rng.random() < 0.5
-        out.append({"id": i, "role": role, "kind": kind, "kwargs": kwargs,
-                    "disconnect_after": disconnect_after})
+        out.append(
+            {
+                "id": i,
+                "role": role,
+                "kind": kind,
+                "kwargs": kwargs,
+                "disconnect_after": disconnect_after,
+            }
+        )
     return out
 
 
@@ -358,7 +449,9 @@ async def _burst(base_url: str, reqs: list[dict[str, Any]]) -> list[tuple[str, A
     import openai
 
     client = openai.AsyncOpenAI(
-        base_url=base_url, api_key="none", max_retries=0,
+        base_url=base_url,
+        api_key="none",
+        max_retries=0,
         timeout=httpx.Timeout(REQUEST_TIMEOUT_S, connect=10.0),
     )
     try:
@@ -403,8 +496,9 @@ def model_dir():
 def _client(server: Any) -> Any:
     import openai
 
-    return openai.OpenAI(base_url=server.openai_url, api_key="none", max_retries=0,
-                         timeout=REQUEST_TIMEOUT_S)
+    return openai.OpenAI(
+        base_url=server.openai_url, api_key="none", max_retries=0, timeout=REQUEST_TIMEOUT_S
+    )
 
 
 @pytest.fixture(scope="module")
@@ -441,8 +535,11 @@ def spec_server(model_dir, reference):
 def long_off_request() -> tuple[str, dict[str, Any]]:
     """A long greedy stream with drafting switched off for this request only."""
     return "cmpl", {
-        "prompt": "It was a bright cold day in April", "max_tokens": 120, "stream": True,
-        **GREEDY, **_xb(vllm_xargs={"selfspec_num_speculative_tokens": 0}),
+        "prompt": "It was a bright cold day in April",
+        "max_tokens": 120,
+        "stream": True,
+        **GREEDY,
+        **_xb(vllm_xargs={"selfspec_num_speculative_tokens": 0}),
     }
 
 
@@ -523,17 +620,20 @@ def test_metrics_spec_decode_counters_and_plugin_metrics(spec_server, reference)
     off_steps = metric_value(m, "vllm:selfspec_request_steps_drafting_off_total")
     # drafts verified + decode steps without drafts = all decode steps
     assert decode_steps >= drafts and off_steps > 0, (decode_steps, off_steps, drafts)
-    print(f"\nmetrics: drafts={drafts:.0f} draft_tokens={draft_tokens:.0f} "
-          f"accepted={accepted:.0f} per_pos={per_pos} mean_draft_length={mean:.3f} "
-          f"decode_request_steps={decode_steps:.0f} off_steps={off_steps:.0f}")
+    print(
+        f"\nmetrics: drafts={drafts:.0f} draft_tokens={draft_tokens:.0f} "
+        f"accepted={accepted:.0f} per_pos={per_pos} mean_draft_length={mean:.3f} "
+        f"decode_request_steps={decode_steps:.0f} off_steps={off_steps:.0f}"
+    )
 
 
 def test_drafting_off_gauge_mid_stream(spec_server, reference):
     """While a request with drafting off decodes, the gauge counts it; its output is still plain."""
     import openai
 
-    client = openai.OpenAI(base_url=spec_server.openai_url, api_key="none", max_retries=0,
-                           timeout=REQUEST_TIMEOUT_S)
+    client = openai.OpenAI(
+        base_url=spec_server.openai_url, api_key="none", max_retries=0, timeout=REQUEST_TIMEOUT_S
+    )
     kind, kw = long_off_request()
     counter = "vllm:selfspec_request_steps_drafting_off_total"
     before = metric_value(wait_idle(spec_server), counter)
@@ -598,17 +698,15 @@ def test_load_burst(spec_server, reference):
                     assert_same(reference["load"][r["id"]][1], val, f"load[{r['id']}]")
                 except AssertionError as exc:
                     mismatches.append(str(exc))
-    # Disconnected streams must be aborted in the engine, not decoded to the end: the tokens the
-    # engine generated for them (all generated tokens of burst 1 minus those of the completed
-    # requests) stay far below what they would have produced.
+    # Tokens the engine generated for the disconnected streams (all generated tokens of burst 1
+    # minus those of the completed requests), reported only: here the client itself is one of the
+    # processes starved by the burst, so how late it closes a stream says more about the machine
+    # than about the server. test_disconnected_streams_are_aborted asserts the abort.
     generated = metric_value(after, "vllm:generation_tokens_total") - metric_value(
         before, "vllm:generation_tokens_total"
     )
     completed_tokens = sum(
-        len(c["token_ids"])
-        for (st, val) in results
-        if st == "ok"
-        for c in val["choices"].values()
+        len(c["token_ids"]) for (st, val) in results if st == "ok" for c in val["choices"].values()
     )
     disconnected_tokens = generated - completed_tokens
     disconnected_full = sum(
@@ -635,8 +733,92 @@ def test_load_burst(spec_server, reference):
     assert not errors, errors[:5]
     assert not mismatches, "\n".join(mismatches[:5])
     assert tally(results)["disconnected"] == sum(r["role"] == "disconnect" for r in reqs)
-    assert 0 <= disconnected_tokens < 0.5 * disconnected_full, (disconnected_tokens, generated)
     assert greedy_checked == 2 * sum(r["role"] in ("greedy", "greedy_chat") for r in reqs)
     tolerance = max(RSS_TOLERANCE_REL * rss_before, RSS_TOLERANCE_ABS)
     assert rss_after - rss_before <= tolerance, (rss_before, rss_after)
     assert rss_after2 - rss_before <= tolerance, (rss_before, rss_after2)
+
+
+async def _abort_phase(
+    server: Any, background: list[dict[str, Any]], streams: list[dict[str, Any]]
+) -> tuple[list[Any], list[Any]]:
+    import httpx
+    import openai
+
+    client = openai.AsyncOpenAI(
+        base_url=server.openai_url,
+        api_key="none",
+        max_retries=0,
+        timeout=httpx.Timeout(REQUEST_TIMEOUT_S, connect=10.0),
+    )
+    try:
+        bg = [asyncio.ensure_future(_one(client, r)) for r in background]
+        deadline = time.monotonic() + 60.0
+        while True:  # the background load is running before any stream starts
+            m = await asyncio.to_thread(server.metrics)
+            if metric_value(m, "vllm:num_requests_running") >= len(background):
+                break
+            assert time.monotonic() < deadline, "background requests never ran"
+            await asyncio.sleep(0.05)
+        disconnected = await asyncio.gather(*(_one(client, r) for r in streams))
+        return list(await asyncio.gather(*bg)), list(disconnected)
+    finally:
+        await client.close()
+
+
+def test_disconnected_streams_are_aborted(spec_server):
+    """A client that closes its stream gets its request aborted in the engine mid-drafting.
+
+    Long streams (each could run to max_model_len) start while non-streamed requests keep the
+    engine busy, and close after their first chunk. The client has nothing else to do (the
+    background requests wait for one response each), so it closes promptly; the tokens generated
+    for the closed streams must stay far below what they would have been had they run to the end.
+    """
+    n_prompt = 8
+    base: dict[str, Any] = {
+        "temperature": 0.0,
+        "extra_body": {"ignore_eos": True, "return_token_ids": True},
+    }
+    background = [
+        {
+            "id": i,
+            "role": "greedy",
+            "kind": "cmpl",
+            "disconnect_after": None,
+            "kwargs": {**base, "prompt": _token_prompt(n_prompt, offset=7 * i), "max_tokens": 120},
+        }
+        for i in range(8)
+    ]
+    streams = [
+        {
+            "id": 100 + i,
+            "role": "disconnect",
+            "kind": "cmpl",
+            "disconnect_after": 1,
+            "kwargs": {
+                **base,
+                "prompt": _token_prompt(n_prompt, offset=11 * i),
+                "stream": True,
+                "max_tokens": MAX_MODEL_LEN - n_prompt,
+            },
+        }
+        for i in range(6)
+    ]
+    before = wait_idle(spec_server)
+    bg_results, stream_results = asyncio.run(_abort_phase(spec_server, background, streams))
+    after = wait_idle(spec_server)
+    assert [st for st, _ in bg_results] == ["ok"] * len(background), bg_results
+    assert [st for st, _ in stream_results] == ["disconnected"] * len(streams), stream_results
+    generated = metric_value(after, "vllm:generation_tokens_total") - metric_value(
+        before, "vllm:generation_tokens_total"
+    )
+    background_tokens = sum(
+        len(c["token_ids"]) for _, v in bg_results for c in v["choices"].values()
+    )
+    assert background_tokens == 120 * len(background)
+    closed_tokens = generated - background_tokens
+    full = len(streams) * (MAX_MODEL_LEN - n_prompt)
+    print(
+        f"\nclosed streams: {closed_tokens:.0f} tokens generated of {full} had they run to the end"
+    )
+    assert 0 <= closed_tokens < 0.5 * full, (closed_tokens, generated, background_tokens)
