@@ -110,12 +110,16 @@ def summarize(runs: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     runs = list(runs)
     plain: dict[tuple, float] = {}
     plain_step: dict[tuple, float] = {}  # seconds per plain decoding step
+    plain_wall_step: dict[tuple, float] = {}  # wall seconds per step, prefills included
     for rr in runs:
         if rr["method"] == "plain" and rr.get("tokens_per_s"):
             key = (_cell_key(rr["cell"]), rr.get("group", 0), rr["rep"])
             plain[key] = rr["tokens_per_s"]
             if rr.get("plain_steps"):
-                plain_step[key] = rr["seconds"] / rr["plain_steps"]
+                plain_wall_step[key] = rr["seconds"] / rr["plain_steps"]
+            # vLLM's mean inter-token latency (prefills excluded); older records: wall per step
+            if rr.get("decode_step_s") or key in plain_wall_step:
+                plain_step[key] = rr.get("decode_step_s") or plain_wall_step[key]
     groups: dict[tuple, list[Mapping[str, Any]]] = {}
     order: list[tuple] = []
     for rr in runs:
@@ -171,9 +175,9 @@ def summarize(runs: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
             d = g.get("drafter") or {}
             c_p = plain_step.get((_cell_key(g["cell"]), g.get("group", 0), g["rep"]))
             base = c_p or d.get("plain_step_s") or d.get("step_cost_s")
-            if d.get("draft_cost_s") and base:
-                costs.append((d["draft_cost_s"], base))
-            verify_k = (d.get("verify_cost_s") or {}).get(f"{k:g}") if k else None
+            draft_s, verify_k = drafter_costs(d, int(g["cell"].get("batch") or 1), k)
+            if draft_s and base:
+                costs.append((draft_s, base))
             if verify_k and base:
                 verify_ratios.append(verify_k / base)
         if costs:
@@ -185,7 +189,8 @@ def summarize(runs: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
         walls = []
         for g in ok:
             d = g.get("drafter") or {}
-            c_p = plain_step.get((_cell_key(g["cell"]), g.get("group", 0), g["rep"]))
+            # wall time against wall time: the prefills are in both
+            c_p = plain_wall_step.get((_cell_key(g["cell"]), g.get("group", 0), g["rep"]))
             if c_p and d.get("steps") and d.get("draft_forwards"):
                 walls.append(wall_cost_ratio(g["seconds"], d["steps"], d["draft_forwards"], c_p))
         if walls:
@@ -206,6 +211,27 @@ def summarize(runs: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
         rows.append(row)
     add_ideal(rows)
     return rows
+
+
+def _bucket(n: int) -> int:
+    """Power-of-two bucket of a batch size, as the drafter keys its cost table."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def drafter_costs(drafter: Mapping[str, Any], batch: int,
+                  k: int | None) -> tuple[float | None, float | None]:
+    """``(one draft forward over the batch, a step verifying k drafts per request)`` in seconds,
+    from the drafter's cost table at the cell's batch-size bucket; records without the table (or
+    without that bucket) fall back to the figures the drafter gave for its latest step."""
+    table = drafter.get("cost_table") or {}
+    b = _bucket(batch)
+    draft_s = (table.get("draft") or {}).get(str(b))
+    verify_s = (table.get("verify") or {}).get(f"{b}:{k:g}") if k else None
+    if draft_s is None:
+        draft_s = drafter.get("draft_cost_s")
+    if verify_s is None and k:
+        verify_s = (drafter.get("verify_cost_s") or {}).get(f"{k:g}")
+    return draft_s, verify_s
 
 
 def add_ideal(rows: list[dict[str, Any]]) -> None:

@@ -105,6 +105,28 @@ def _spec_counters(llm: Any) -> dict[str, Any]:
     return read_spec_decode_counters(llm)
 
 
+def _inter_token_latency(llm: Any) -> tuple[float, float] | None:
+    """``(sum of seconds, count)`` of this engine's inter-token-latency histogram (vLLM's
+    ``vllm:inter_token_latency_seconds``), read from its own stat logger (see
+    :func:`_spec_counters`); ``None`` where vLLM's layout differs.
+
+    For plain decoding every decode step gives each running request one token, so the mean
+    inter-token latency over a run is the mean decode-step time, prefills excluded (the first
+    token of a request is its time to first token, not an inter-token latency)."""
+    manager = getattr(llm.llm_engine, "logger_manager", None)
+    for stat_logger in getattr(manager, "stat_loggers", []) or []:
+        hist = getattr(stat_logger, "histogram_inter_token_latency", None)
+        if not hist:
+            continue
+        try:
+            total = sum(float(h._sum.get()) for h in hist.values())
+            count = sum(float(b.get()) for h in hist.values() for b in h._buckets)
+        except (AttributeError, TypeError):  # pragma: no cover - other vLLM versions
+            return None
+        return total, count
+    return None
+
+
 class VllmEngine:
     """An offline ``vllm.LLM`` (multiprocess engine core, eager) with the selfspec worker
     extension, so ``drafter_stats()`` works on selfspec engines (``{}`` on others)."""
@@ -114,7 +136,7 @@ class VllmEngine:
     def __init__(self, name: str, model: str, speculative_config: dict | None, *,
                  dtype: str = "float32", max_model_len: int = 512,
                  kv_cache_bytes: int = 512 << 20, sampler: RssSampler | None = None,
-                 enforce_eager: bool = True) -> None:
+                 enforce_eager: bool = True, engine_args: dict | None = None) -> None:
         from vllm import LLM
 
         self.name = name
@@ -131,6 +153,7 @@ class VllmEngine:
             disable_log_stats=False,
             seed=0,
             worker_extension_cls=WORKER_EXTENSION,
+            **(engine_args or {}),
         )
         self.start_s = time.perf_counter() - t0
         self.pids = sorted(_children() - before)
@@ -157,6 +180,9 @@ class VllmEngine:
 
     def spec_counters(self) -> dict[str, Any]:
         return _spec_counters(self.llm)
+
+    def inter_token_latency(self) -> tuple[float, float] | None:
+        return _inter_token_latency(self.llm)
 
     def drafter_stats(self) -> dict[str, Any] | None:
         try:
@@ -228,6 +254,9 @@ class HfEngine:
                 out = self.model.generate(**enc, pad_token_id=eos, **kw)
                 outputs.append(out[0, enc["input_ids"].shape[1]:].tolist())
         return outputs, time.perf_counter() - t0
+
+    def inter_token_latency(self) -> None:
+        return None
 
     def spec_counters(self) -> dict[str, Any]:
         return {}

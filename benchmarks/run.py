@@ -55,6 +55,7 @@ class Method:
     hf_early_exit: int | None = None
     batches: tuple[int, ...] | None = None  # None: every batch size of the suite
     ideal_source: str | None = None  # fixed-k method whose acceptance and cost define the ideal
+    engine_args: dict | None = None  # extra vllm.LLM arguments (e.g. async_scheduling=False)
 
 
 @dataclass
@@ -159,6 +160,20 @@ def build_suite(name: str) -> Suite:
             ], label=label, weight=2 if model == "zero" else 1))
         return Suite(name=name, groups=groups, datasets=["mixed"], temperatures=[0.0],
                      time_budget_s=1080.0)
+    if name == "sync-floor":
+        # vLLM turns async scheduling off for custom-class proposers (selfspec among them):
+        # plain vLLM with it off is the floor of a selfspec engine that drafts nothing. Group (b)
+        # of no-harm, where the controller stops drafting.
+        good, good_label = good_skip_set()
+        return Suite(
+            name=name,
+            groups=[Group("smollm2", [
+                Method("controller on", spec=_selfspec(True, **good)),
+                Method("plain, sync scheduling", engine_args={"async_scheduling": False}),
+            ], label=f"(b) good: {good_label}")],
+            datasets=["mixed"], temperatures=[0.0], batches=[8, 32], reps=5,
+            time_budget_s=900.0,
+        )
     if name == "smoke":
         return Suite(
             name=name,
@@ -178,7 +193,7 @@ def build_suite(name: str) -> Suite:
     raise ValueError(f"unknown suite {name!r}; choose from {', '.join(SUITES)}")
 
 
-SUITES = ("cpu-smollm2", "cpu-zero", "no-harm", "smoke")
+SUITES = ("cpu-smollm2", "cpu-zero", "no-harm", "sync-floor", "smoke")
 ONLINE_SUITE = "online"  # benchmarks/online.py: a server per method, `vllm bench serve`
 _ZERO_SKIP: dict[str, Any] = {}  # filled by resolve_model("zero") (the inserted layers)
 
@@ -287,7 +302,7 @@ class Runner:
         if spec and spec.get("method") == "selfspec" and kind in ("zero", "tiny-zero"):
             spec.update(_ZERO_SKIP)
         return VllmEngine(method.name, model_dir, spec, kv_cache_bytes=_kv_bytes(kind),
-                          sampler=sampler)
+                          sampler=sampler, engine_args=method.engine_args)
 
     def _load(self, where: str) -> None:
         self.loads.append({"t": round(time.time() - self.started, 1), "where": where,
@@ -407,6 +422,7 @@ class Runner:
         for m, eng in order:
             before = eng.spec_counters()
             stats_before = eng.drafter_stats()
+            itl_before = eng.inter_token_latency() if m.name == "plain" else None
             try:
                 outputs, seconds = eng.generate(chosen, cell["temperature"], suite.max_tokens,
                                                 batch)
@@ -425,6 +441,11 @@ class Runner:
                 "load": list(os.getloadavg()), "k": eng.k, "_engine": eng.name,
                 "ideal_source": m.ideal_source, "kind": m.kind,
             }
+            itl_after = eng.inter_token_latency() if itl_before else None
+            if itl_before and itl_after and itl_after[1] > itl_before[1]:
+                # mean decode-step time of plain decoding (prefills excluded)
+                rec["decode_step_s"] = (itl_after[0] - itl_before[0]) / (
+                    itl_after[1] - itl_before[1])
             if eng.k:
                 rec["spec"] = counter_delta(before, eng.spec_counters())
             stats = eng.drafter_stats()
@@ -495,10 +516,12 @@ def render_markdown(result: dict[str, Any]) -> str:
               "tokens; `mean acc. len` = tokens per verification (1 + accepted / draft rounds); "
               "`per-position acceptance` = accepted at position i / draft rounds; "
               "`draft/plain cost` = r, one draft forward over one plain decoding step (draft: "
-              "the selfspec drafter's timers, medians of the last samples; plain: the plain "
-              "run's wall time per step); `verify k/plain cost` = v, a step verifying k drafts "
-              "per request over a plain step (drafter's timers); `r (wall)` = r inferred from "
-              "wall times assuming free verification (see docs/benchmarks.md); `ideal` = "
+              "the selfspec drafter's cost table at the cell's batch size, medians of the last "
+              "samples; plain: the plain run's mean inter-token latency, i.e. its decode "
+              "steps without prefills (older runs: its wall time per step)); `verify k/plain "
+              "cost` = v, a step verifying k drafts per request over a plain step (drafter's "
+              "cost table); `r (wall)` = r inferred from wall times assuming free "
+              "verification (see docs/benchmarks.md); `ideal` = "
               "max_j E(j)/(v(j) + j r), v interpolated linearly from 1 at j = 0, from the "
               "fixed-k run's per-token acceptance, r and v; `efficiency` = achieved / ideal; "
               "`drafting off` = share of request-steps the controller planned 0 drafts; "
@@ -562,7 +585,11 @@ def _versions() -> dict[str, str]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.run",
                                 description=__doc__.split("\n\n")[0])
-    p.add_argument("--suite", required=True, choices=(*SUITES, ONLINE_SUITE))
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--suite", choices=(*SUITES, ONLINE_SUITE))
+    what.add_argument("--rerender", type=Path, metavar="RESULT.json",
+                      help="recompute the summary of a stored run with the current analysis and "
+                           "rewrite its JSON, Markdown and plots (runs nothing)")
     p.add_argument("--reps", type=int, help="repetitions per cell (default: the suite's, 3)")
     p.add_argument("--max-tokens", type=int, help="new tokens per prompt")
     p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")],
@@ -624,8 +651,23 @@ def _deadline(text: str | None) -> float | None:
     return target.timestamp()
 
 
+def rerender(path: Path) -> dict[str, Any]:
+    """Summarise a stored run's records again (after a change to :mod:`benchmarks.analysis`)
+    and rewrite ``<suite>.json`` / ``.md`` / plots next to it."""
+    result = json.loads(path.read_text())
+    result["summary"] = rows = analysis.summarize(result["runs"])
+    base = path.with_suffix("")
+    result["plots"] = [p.name for p in analysis.write_plots(rows, base)]
+    path.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    base.with_suffix(".md").write_text(render_markdown(result))
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.rerender:
+        print(render_markdown(rerender(args.rerender)))
+        return 0
     if args.suite == ONLINE_SUITE:
         from benchmarks import online
 

@@ -512,3 +512,52 @@ def test_online_client_entry_point_parses():
     for flag in cmd[5:]:
         if flag.startswith("--"):
             assert flag in out.stdout, flag
+
+
+def test_ideal_uses_decode_steps_and_the_cells_cost_table():
+    """The plain step is vLLM's mean inter-token latency (prefills excluded) when the plain run
+    recorded it, and the drafter's costs come from its table at the cell's batch bucket, not
+    from whatever batch size its latest step had."""
+    recs = _records()
+    for r in recs:
+        if r["method"] == "plain":
+            r["plain_steps"] = 50  # wall time per step: 20 ms (a prefill included)
+            r["decode_step_s"] = 0.016  # decode steps only
+        elif r["method"] == "fixed":
+            # latest step's figures (a smaller batch) vs the table's entry for bucket 1
+            r["drafter"] = {"draft_cost_s": 0.5, "verify_cost_s": {"4": 0.9},
+                            "cost_table": {"draft": {"1": 0.008, "8": 0.5},
+                                           "verify": {"1:0": 0.015, "1:4": 0.024}}}
+    rows = {r["method"]: r for r in analysis.summarize(recs)}
+    f = rows["fixed"]
+    assert f["plain_step_ms"] == pytest.approx(16.0)
+    assert f["cost_ratio"] == pytest.approx(0.5)  # 8 ms / 16 ms
+    assert f["verify_cost_ratio"] == pytest.approx(1.5)  # 24 ms / 16 ms
+    ideal, best_k = analysis.ideal_speedup(f["per_token_acceptance"], 0.5, 4, 1.5)
+    assert f["ideal_speedup"] == pytest.approx(ideal)
+    # without the table the latest step's figures are used
+    assert analysis.drafter_costs({"draft_cost_s": 0.5, "verify_cost_s": {"4": 0.9}}, 1, 4) == (
+        0.5, 0.9)
+    assert analysis.drafter_costs({"cost_table": {"draft": {"8": 0.1}, "verify": {}}}, 5, 4) == (
+        0.1, None)
+
+
+def test_rerender_recomputes_the_summary(tmp_path):
+    """`--rerender` rewrites a stored run's summary, Markdown and plots with the current
+    analysis and runs nothing."""
+    suite = run.build_suite("smoke")
+    stored = {"suite": "smoke", "partial": False, "started_utc": "x", "finished_utc": "y",
+              "duration_s": 1.0, "plan": run.plan(suite), "host": {"cpus": 2}, "loadavg_samples": [],
+              "loadavg_1min": None, "engines": {}, "summary": [{"method": "stale"}],
+              "runs": _records()}
+    path = tmp_path / "smoke.json"
+    path.write_text(json.dumps(stored))
+    assert run.main(["--rerender", str(path)]) == 0
+    result = json.loads(path.read_text())
+    methods = {r["method"] for r in result["summary"]}
+    assert methods == {"plain", "selfspec", "fixed", "suffix"}
+    assert result["runs"] == json.loads(json.dumps(_records()))
+    assert "| selfspec |" in (tmp_path / "smoke.md").read_text()
+    assert (tmp_path / "smoke_ratio.png").stat().st_size > 0
+    with pytest.raises(SystemExit):  # a suite or a stored run, not both
+        run.parse_args(["--suite", "smoke", "--rerender", str(path)])
