@@ -19,6 +19,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from vllm_selfspec.step_costs import bucket
+
 
 def expected_tokens(a: float, k: int) -> float:
     """Expected tokens per verification of ``k`` drafts with per-token acceptance ``a``."""
@@ -118,8 +120,9 @@ def summarize(runs: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
             if rr.get("plain_steps"):
                 plain_wall_step[key] = rr["seconds"] / rr["plain_steps"]
             # vLLM's mean inter-token latency (prefills excluded); older records: wall per step
-            if rr.get("decode_step_s") or key in plain_wall_step:
-                plain_step[key] = rr.get("decode_step_s") or plain_wall_step[key]
+            step = rr.get("decode_step_s") or plain_wall_step.get(key)
+            if step:
+                plain_step[key] = step
     groups: dict[tuple, list[Mapping[str, Any]]] = {}
     order: list[tuple] = []
     for rr in runs:
@@ -213,18 +216,13 @@ def summarize(runs: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def _bucket(n: int) -> int:
-    """Power-of-two bucket of a batch size, as the drafter keys its cost table."""
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
 def drafter_costs(drafter: Mapping[str, Any], batch: int,
                   k: int | None) -> tuple[float | None, float | None]:
     """``(one draft forward over the batch, a step verifying k drafts per request)`` in seconds,
     from the drafter's cost table at the cell's batch-size bucket; records without the table (or
     without that bucket) fall back to the figures the drafter gave for its latest step."""
     table = drafter.get("cost_table") or {}
-    b = _bucket(batch)
+    b = bucket(batch)  # as the drafter keys its cost table
     draft_s = (table.get("draft") or {}).get(str(b))
     verify_s = (table.get("verify") or {}).get(f"{b}:{k:g}") if k else None
     if draft_s is None:

@@ -255,9 +255,6 @@ class HfEngine:
                 outputs.append(out[0, enc["input_ids"].shape[1]:].tolist())
         return outputs, time.perf_counter() - t0
 
-    def inter_token_latency(self) -> None:
-        return None
-
     def spec_counters(self) -> dict[str, Any]:
         return {}
 

@@ -31,6 +31,7 @@ import platform
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -485,15 +486,21 @@ class Runner:
             "runs": [{k: v for k, v in r.items() if not k.startswith("_")} for r in self.records],
         }
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        base = self.out_dir / self.suite.name
-        base.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str) + "\n")
-        base.with_suffix(".md").write_text(render_markdown(result))
-        if not partial:
-            try:
-                result["plots"] = [p.name for p in analysis.write_plots(rows, base)]
-            except Exception as exc:  # plots are a convenience
-                self.log(f"plots failed: {exc}")
+        write_result(result, self.out_dir / self.suite.name, plots=not partial, log=self.log)
         return result
+
+
+def write_result(result: dict[str, Any], base: Path, plots: bool = True,
+                 log: Callable[[str], None] = print) -> None:
+    """``<base>.json`` and ``<base>.md`` of a suite's result, then its plots (``result["plots"]``
+    names them; a failed plot is logged, not raised: plots are a convenience)."""
+    base.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+    base.with_suffix(".md").write_text(render_markdown(result))
+    if plots:
+        try:
+            result["plots"] = [p.name for p in analysis.write_plots(result["summary"], base)]
+        except Exception as exc:
+            log(f"plots failed: {exc}")
 
 
 def render_markdown(result: dict[str, Any]) -> str:
@@ -655,11 +662,8 @@ def rerender(path: Path) -> dict[str, Any]:
     """Summarise a stored run's records again (after a change to :mod:`benchmarks.analysis`)
     and rewrite ``<suite>.json`` / ``.md`` / plots next to it."""
     result = json.loads(path.read_text())
-    result["summary"] = rows = analysis.summarize(result["runs"])
-    base = path.with_suffix("")
-    result["plots"] = [p.name for p in analysis.write_plots(rows, base)]
-    path.write_text(json.dumps(result, indent=1, default=str) + "\n")
-    base.with_suffix(".md").write_text(render_markdown(result))
+    result["summary"] = analysis.summarize(result["runs"])
+    write_result(result, path.with_suffix(""))
     return result
 
 

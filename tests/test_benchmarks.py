@@ -547,8 +547,9 @@ def test_rerender_recomputes_the_summary(tmp_path):
     analysis and runs nothing."""
     suite = run.build_suite("smoke")
     stored = {"suite": "smoke", "partial": False, "started_utc": "x", "finished_utc": "y",
-              "duration_s": 1.0, "plan": run.plan(suite), "host": {"cpus": 2}, "loadavg_samples": [],
-              "loadavg_1min": None, "engines": {}, "summary": [{"method": "stale"}],
+              "duration_s": 1.0, "plan": run.plan(suite), "host": {"cpus": 2},
+              "loadavg_samples": [], "loadavg_1min": None, "engines": {},
+              "summary": [{"method": "stale"}],
               "runs": _records()}
     path = tmp_path / "smoke.json"
     path.write_text(json.dumps(stored))

@@ -444,16 +444,20 @@ async def _one(client: Any, req: dict[str, Any]) -> tuple[str, Any]:
         return "error", f"{type(exc).__name__}: {exc}"
 
 
-async def _burst(base_url: str, reqs: list[dict[str, Any]]) -> list[tuple[str, Any]]:
+def _async_client(base_url: str) -> Any:
     import httpx
     import openai
 
-    client = openai.AsyncOpenAI(
+    return openai.AsyncOpenAI(
         base_url=base_url,
         api_key="none",
         max_retries=0,
         timeout=httpx.Timeout(REQUEST_TIMEOUT_S, connect=10.0),
     )
+
+
+async def _burst(base_url: str, reqs: list[dict[str, Any]]) -> list[tuple[str, Any]]:
+    client = _async_client(base_url)
     try:
         return await asyncio.wait_for(
             asyncio.gather(*(_one(client, r) for r in reqs)), timeout=LOAD_TIMEOUT_S
@@ -742,15 +746,7 @@ def test_load_burst(spec_server, reference):
 async def _abort_phase(
     server: Any, background: list[dict[str, Any]], streams: list[dict[str, Any]]
 ) -> tuple[list[Any], list[Any]]:
-    import httpx
-    import openai
-
-    client = openai.AsyncOpenAI(
-        base_url=server.openai_url,
-        api_key="none",
-        max_retries=0,
-        timeout=httpx.Timeout(REQUEST_TIMEOUT_S, connect=10.0),
-    )
+    client = _async_client(server.openai_url)
     try:
         bg = [asyncio.ensure_future(_one(client, r)) for r in background]
         deadline = time.monotonic() + 60.0
