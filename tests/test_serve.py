@@ -50,6 +50,8 @@ LOGPROB_ABS_TOL = 1e-3  # fp32; verification runs k+1 tokens per request where p
 LOAD_REQUESTS = 72
 LOAD_TIMEOUT_S = 300.0
 REQUEST_TIMEOUT_S = 180.0
+# The abort test (see test_disconnected_streams_are_aborted): the tiny model's position limit
+ABORT_MAX_MODEL_LEN = 1024
 # RSS of the server's process tree after a burst vs before it (see test_load_burst)
 RSS_TOLERANCE_REL = 0.10
 RSS_TOLERANCE_ABS = 256 << 20
@@ -536,6 +538,20 @@ def spec_server(model_dir, reference):
         yield server
 
 
+@pytest.fixture(scope="module")
+def long_spec_server(model_dir, spec_server):
+    """A selfspec server whose requests may run to ABORT_MAX_MODEL_LEN tokens (abort test only).
+
+    Streams that long take many seconds to run to the end, so a disconnect that reaches the engine
+    late on a loaded machine (the API server shares the CPU with the engine) still ends them far
+    from their full length. Depends on spec_server so that it starts after the other tests.
+    """
+    port = free_port()
+    cmd = server_command(model_dir, port, SPEC_CONFIG, max_model_len=ABORT_MAX_MODEL_LEN)
+    with api_server(cmd, port, name="selfspec-long") as server:
+        yield server
+
+
 def long_off_request() -> tuple[str, dict[str, Any]]:
     """A long greedy stream with drafting switched off for this request only."""
     return "cmpl", {
@@ -762,15 +778,17 @@ async def _abort_phase(
         await client.close()
 
 
-def test_disconnected_streams_are_aborted(spec_server):
+def test_disconnected_streams_are_aborted(long_spec_server):
     """A client that closes its stream gets its request aborted in the engine mid-drafting.
 
-    Long streams (each could run to max_model_len) start while non-streamed requests keep the
-    engine busy, and close after their first chunk. The client has nothing else to do (the
-    background requests wait for one response each), so it closes promptly; the tokens generated
-    for the closed streams must stay far below what they would have been had they run to the end.
+    Long streams (each could run to ABORT_MAX_MODEL_LEN, many seconds) start while non-streamed
+    requests keep the engine busy, and close after their first chunk. None of them may finish by
+    length (the engine's finish counters), and the tokens generated for them must stay far below
+    what they would have been had they run to the end (with abort broken: all of them).
     """
+    server = long_spec_server
     n_prompt = 8
+    bg_tokens = 400  # long enough to be still running when the streams start, on a loaded machine
     base: dict[str, Any] = {
         "temperature": 0.0,
         "extra_body": {"ignore_eos": True, "return_token_ids": True},
@@ -781,10 +799,15 @@ def test_disconnected_streams_are_aborted(spec_server):
             "role": "greedy",
             "kind": "cmpl",
             "disconnect_after": None,
-            "kwargs": {**base, "prompt": _token_prompt(n_prompt, offset=7 * i), "max_tokens": 120},
+            "kwargs": {
+                **base,
+                "prompt": _token_prompt(n_prompt, offset=7 * i),
+                "max_tokens": bg_tokens,
+            },
         }
         for i in range(8)
     ]
+    full_len = ABORT_MAX_MODEL_LEN - n_prompt
     streams = [
         {
             "id": 100 + i,
@@ -795,14 +818,15 @@ def test_disconnected_streams_are_aborted(spec_server):
                 **base,
                 "prompt": _token_prompt(n_prompt, offset=11 * i),
                 "stream": True,
-                "max_tokens": MAX_MODEL_LEN - n_prompt,
+                "max_tokens": full_len,
             },
         }
         for i in range(6)
     ]
-    before = wait_idle(spec_server)
-    bg_results, stream_results = asyncio.run(_abort_phase(spec_server, background, streams))
-    after = wait_idle(spec_server)
+    success = "vllm:request_success_total"
+    before = wait_idle(server)
+    bg_results, stream_results = asyncio.run(_abort_phase(server, background, streams))
+    after = wait_idle(server)
     assert [st for st, _ in bg_results] == ["ok"] * len(background), bg_results
     assert [st for st, _ in stream_results] == ["disconnected"] * len(streams), stream_results
     generated = metric_value(after, "vllm:generation_tokens_total") - metric_value(
@@ -811,10 +835,15 @@ def test_disconnected_streams_are_aborted(spec_server):
     background_tokens = sum(
         len(c["token_ids"]) for _, v in bg_results for c in v["choices"].values()
     )
-    assert background_tokens == 120 * len(background)
+    assert background_tokens == bg_tokens * len(background)
     closed_tokens = generated - background_tokens
-    full = len(streams) * (MAX_MODEL_LEN - n_prompt)
-    print(
-        f"\nclosed streams: {closed_tokens:.0f} tokens generated of {full} had they run to the end"
+    full = len(streams) * full_len
+    finished_by_length = metric_value(after, success, finished_reason="length") - metric_value(
+        before, success, finished_reason="length"
     )
+    print(
+        f"\nclosed streams: {closed_tokens:.0f} tokens generated of {full} had they run to the end;"
+        f" requests finished by length: {finished_by_length:.0f} (background: {len(background)})"
+    )
+    assert finished_by_length == len(background), finished_by_length
     assert 0 <= closed_tokens < 0.5 * full, (closed_tokens, generated, background_tokens)
