@@ -61,6 +61,20 @@ def test_verify_cost_interpolates_and_extrapolates() -> None:
     assert only.plain_cost(1) == 2.0 and not only.has_plain(1)
 
 
+def test_verify_cost_never_decreases_with_more_drafts() -> None:
+    # medians of a noisy batch-1 bucket (measured on a busy CPU): 3 drafts read cheaper than
+    # a plain step, 2 drafts cheaper than 1
+    c = StepCosts(verify={(1, 0.0): 0.0757, (1, 1.0): 0.0782, (1, 2.0): 0.0704, (1, 3.0): 0.0641})
+    xs = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0])
+    got = c.verify_cost(1, xs)
+    assert np.all(np.diff(got) >= 0), got
+    assert got[0] == pytest.approx(0.0757)
+    assert got[2] == got[4] == got[5] == pytest.approx(0.0782)  # the dips read as the 1-draft cost
+    assert c.plain_cost(1) == pytest.approx(0.0757)
+    # and a controller planning with them sees no free verification (v >= 1 plain step)
+    assert float(c.verify_cost(1, 3.0)) / c.plain_cost(1) >= 1.0
+
+
 def test_bucket_fallback_prefers_buckets_with_a_plain_step() -> None:
     c = StepCosts(verify={(1, 0.0): 1.0, (1, 4.0): 1.2, (64, 4.0): 9.0, (32, 0.0): 3.0,
                           (32, 4.0): 9.0})
