@@ -159,8 +159,9 @@ def build_suite(name: str) -> Suite:
                 Method("controller off", spec=_selfspec(False, **skip),
                        ideal_source="controller off"),
             ], label=label, weight=2 if model == "zero" else 1))
+        # 40 min: with 18 the slow-starting group (a) got a single repetition (2026-12-03)
         return Suite(name=name, groups=groups, datasets=["mixed"], temperatures=[0.0],
-                     time_budget_s=1080.0)
+                     time_budget_s=2400.0)
     if name == "sync-floor":
         # vLLM turns async scheduling off for custom-class proposers (selfspec among them):
         # plain vLLM with it off is the floor of a selfspec engine that drafts nothing. Group (b)
