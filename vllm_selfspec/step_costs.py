@@ -88,7 +88,7 @@ class StepCosts:
         """Bucket ``b``'s measured ``(x, seconds)`` points, sorted by ``x``, the seconds made
         non-decreasing in ``x``: a step that verifies more draft tokens runs the same weights
         over more tokens, so a median that reads cheaper than one with fewer (measured: a
-        4-draft verification below the plain step at batch 1 on a busy CPU) is noise, and
+        3-draft verification below the plain step at batch 1 on a busy CPU) is noise, and
         believing it makes drafting look free exactly where it costs most."""
         points = sorted((xx, c) for (bb, xx), c in self.verify.items() if bb == b)
         seconds = np.maximum.accumulate(np.array([p[1] for p in points]))
