@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import random
 
+import numpy as np
 import pytest
 
 from vllm_selfspec.controller import (
@@ -15,7 +16,7 @@ from vllm_selfspec.controller import (
     expected_tokens,
     validate_request_overrides,
 )
-from vllm_selfspec.step_costs import StepCosts, bucket
+from vllm_selfspec.step_costs import StepCostRecorder, StepCosts, bucket
 
 
 def make(k_max: int = 8, **kw) -> DraftLengthController:
@@ -262,6 +263,50 @@ def test_plain_step_exploration() -> None:
     assert not make(explore_interval=0)._explore_due(1, [])
 
 
+def _run_engine(ctl: DraftLengthController, rec: StepCostRecorder, steps: int,
+                plain_s) -> list[tuple[int, float, list[int]]]:
+    """Drive ``ctl`` like the drafter drives it: one request whose drafts always land, each
+    step's verification time recorded in ``rec`` (plain steps cost ``plain_s(step)``, a
+    verification 2% more per draft, a draft forward 10% of a plain step), the cost table
+    handed over when it gains an entry and every 16 steps. Per step: the controller's plain
+    cost, and the ages of the recorder's plain samples."""
+    out = []
+    synced, since_sync = -1, 0
+    for step in range(steps):
+        (k,) = ctl.plan(["r"])
+        plain = plain_s(step)
+        for _ in range(k):
+            rec.observe_draft(1, 0.1 * plain)
+        rec.observe_verify(1, k, plain * (1.0 + 0.02 * k))
+        ctl.observe_verification("r", drafted=k, accepted=k)
+        since_sync += 1
+        if since_sync >= 16 or rec.ready_keys != synced:
+            ctl.set_step_costs(rec.snapshot())
+            synced, since_sync = rec.ready_keys, 0
+        out.append((k, ctl.step_costs.plain_cost(1), rec.plain_ages(1)))
+    return out
+
+
+def test_plain_baseline_stays_fresh_while_drafting() -> None:
+    """The plain step the controller compares drafting with is at most ``max_plain_age`` (256)
+    measured steps old, plus the 16 steps between cost-table hand-overs: with the defaults a
+    bucket that always drafts measures ~8 plain steps in every 256, and a plain step that got
+    2x slower (another process took a core) is the baseline within ~150 steps (the median of
+    ~8 turns once 5 new samples are in). With one plain step in 65 and 15-sample medians, the
+    baseline stayed at the old cost for ~500 steps."""
+    ctl = DraftLengthController(ControllerConfig(k_max=2))
+    rec = StepCostRecorder()
+    drift = 300
+    trace = _run_engine(ctl, rec, 600, lambda step: 0.1 if step < drift else 0.2)
+    plans = [k for k, _, _ in trace]
+    assert 0.9 < sum(k == 2 for k in plans[50:]) / len(plans[50:]) < 0.99  # mostly drafting
+    assert all(max(ages) < 256 and len(ages) >= 3 for _, _, ages in trace[100:])
+    assert all(c == pytest.approx(0.1) for _, c, _ in trace[50:drift])
+    turned = next(i for i, (_, c, _) in enumerate(trace) if c == pytest.approx(0.2))
+    assert drift < turned <= drift + 256 + 16
+    assert all(c == pytest.approx(0.2) for _, c, _ in trace[turned:])
+
+
 def test_calibrated_exit_floor() -> None:
     ctl = make()
     ctl.plan(["r"])
@@ -472,6 +517,32 @@ def test_min_gain_keeps_drafting_off_near_break_even() -> None:
         assert (ctl.plan(["r"])[0] > 0) == drafts, (draft, min_gain)
     with pytest.raises(ValueError):
         make(min_gain=1.0)
+
+
+def test_draft_cost_alone_is_not_set_against_a_unit_verification() -> None:
+    """The reported case: the table holds only a draft forward (50 ms at one row), no
+    verification yet, so ``verify_cost`` is the unit 1.0; added to the draft's seconds, drafts
+    looked nearly free (1 + 0.05 k "plain steps") and a request at acceptance 0.3 was judged
+    worth k = 2 alone. Without a measured verification the prior prices the draft forward
+    (0.5 plain steps): nothing pays at a = 0.3."""
+    ctl = make(prior_acceptance=0.3)
+    ctl.set_step_costs(StepCosts(draft={1: 0.05}))
+    assert ctl._state("r").acceptance == pytest.approx(0.3)
+    assert ctl._standalone_lengths(np.array([0.3]), np.array([8])).tolist() == [0]
+    assert ctl.plan(["r"]) == [0]
+    assert ctl.cost_ratio(1) == pytest.approx(0.5)  # the prior, not 0.05
+    assert ctl._min_probe_interval(1, 1) == 0  # the configured probe schedule, as with no costs
+    # a batch plan with draft forwards only: (4 + 4 * 0.5) tokens in 1.5 plain steps is no gain
+    assert ctl._batch_plan(4, np.full(4, 0.5), np.full(4, 8), []).tolist() == [0] * 4
+    # once the verification is measured the same 50 ms decide, in the plain step's units
+    ctl.set_step_costs(StepCosts(verify={(1, 0.0): 1.0}, draft={1: 0.05}))  # 5% of a step
+    assert ctl._standalone_lengths(np.array([0.3]), np.array([8])).tolist() == [2]
+    assert ctl.cost_ratio(1) == pytest.approx(0.05)
+    ctl.set_step_costs(StepCosts(verify={(1, 0.0): 0.1}, draft={1: 0.05}))  # half a step
+    assert ctl._standalone_lengths(np.array([0.3]), np.array([8])).tolist() == [0]
+    # only another batch size's verification measured: batch 1 has no verification, the prior
+    ctl.set_step_costs(StepCosts(verify={(8, 0.0): 1.0}, draft={1: 0.05}))
+    assert ctl._standalone_lengths(np.array([0.3]), np.array([8])).tolist() == [0]
 
 
 def test_new_batch_size_ramps_up_its_drafts() -> None:

@@ -141,3 +141,41 @@ def test_verification_is_not_free_where_only_another_batch_size_measured_it() ->
     assert c.verify_cost(32, 4.0) == pytest.approx(1.4)  # its own steeper line
     # with no other bucket to borrow from, the own line (flat for a plain step alone)
     assert StepCosts(verify={(32, 0.0): 0.2}).verify_cost(32, 4.0) == pytest.approx(0.2)
+
+
+def test_comparable_drops_draft_forwards_without_a_verification() -> None:
+    # draft forwards in seconds, no verification: verify_cost is the unit 1.0, so the two
+    # cannot be added up; the comparable table is the empty one (the prior prices drafts)
+    only_draft = StepCosts(draft={1: 0.05})
+    assert only_draft.verify_cost(1, 2.0) == 1.0 and only_draft.draft_cost(1, 1) == 0.05
+    assert only_draft.comparable() == StepCosts()
+    assert only_draft.comparable().draft_cost(1, 1, prior_ratio=0.5) == 0.5
+    both = StepCosts(verify={(1, 0.0): 0.2}, draft={1: 0.05})
+    assert both.comparable() is both
+    assert StepCosts(verify={(1, 0.0): 0.2}).comparable().plain_cost(1) == 0.2
+
+
+def test_plain_step_samples_age_out() -> None:
+    rec = StepCostRecorder(window=15, min_samples=3, max_plain_age=100)
+    for _ in range(15):  # measured steps 1..15 are plain (drafting off): 1.0 s
+        rec.observe_verify(4, 0, 1.0)
+    assert rec.plain_ages(4) == list(range(14, -1, -1))
+    for now in range(16, 113):  # drafting steps only: the plain samples age, 3 are left
+        rec.observe_verify(4, 8, 3.0)
+        assert max(rec.plain_ages(4)) < 100, now
+    assert rec.plain_ages(4) == [99, 98, 97] and rec.snapshot().has_plain(4)
+    ready = rec.ready_keys
+    rec.observe_verify(4, 8, 3.0)  # step 113: the plain step of step 13 is 100 steps old
+    assert rec.plain_ages(4) == [99, 98] and not rec.snapshot().has_plain(4)
+    assert rec.snapshot().verify == {(4, 2.0): 3.0}
+    # back once 3 fresh plain steps are measured; a new value is not outvoted by old ones
+    for _ in range(3):
+        rec.observe_verify(3, 0, 2.0)
+    assert rec.snapshot().verify[(4, 0.0)] == 2.0
+    assert rec.ready_keys == ready + 1  # the key's return counts as a gain (a new table)
+    # another bucket's steps do not age this one, and the window still caps the samples
+    for _ in range(300):
+        rec.observe_verify(16, 0, 5.0)
+    assert rec.snapshot().verify[(4, 0.0)] == 2.0 and len(rec.plain_ages(16)) == 15
+    with pytest.raises(ValueError):
+        StepCostRecorder(max_plain_age=0)

@@ -28,6 +28,10 @@ Two mechanisms, both per request:
    ``sum_i E(a_i, k_i)`` tokens in ``c_verify(B, sum k_i) + sum_j c_draft(rows drafting at j)``;
    :meth:`DraftLengthController.plan` picks the drafting requests (highest ``a`` first) and their
    common cap ``K`` that maximise tokens per second, against ``B / c_plain(B)`` for no drafting.
+   Costs measured in seconds are set only against each other: while no verification has been
+   measured, a measured draft forward is not used either (it would be compared with the unit
+   an unmeasured verification stands for) and the prior prices the draft forward at
+   ``prior_cost_ratio`` plain steps with verification free.
    Drafting must beat plain decoding by ``min_gain`` (5%): closer to break-even the decision
    would follow the noise of the measured costs. A plan verifies at most twice the draft tokens
    per request measured so far at its batch size (at least one): a new batch size is learnt
@@ -42,10 +46,17 @@ Two mechanisms, both per request:
 3. **Plain-step exploration** (``explore_interval``). The plain-step cost of a batch size is the
    baseline of every decision, but an engine that always drafts never measures it: the first
    plan for a batch-size bucket, and then one plan every ``explore_interval`` drafting steps of
-   that bucket, drafts nothing (about 1.5% of the steps with the default 64); until the cost table
-   has a plain step of that size (3 samples), one every 2 drafting steps, so that a new batch size
-   stops planning with another size's costs within a few steps (the drafter hands the controller
-   a new cost table as soon as it gains an entry).
+   that bucket, drafts nothing; until the cost table has a plain step of that size (3 samples),
+   one every 2 drafting steps, so that a new batch size stops planning with another size's costs
+   within a few steps (the drafter hands the controller a new cost table as soon as it gains an
+   entry). The default of 32 (one step in 33 plain, 3%) is chosen with the recorder's age bound
+   on plain samples (``StepCostRecorder.max_plain_age``, 256 measured steps): the baseline is then
+   the median of the ~8 plain steps of the last 256 steps of the bucket, never older, and stays
+   measured when a few of those steps go unmeasured. With 64 and the recorder's 15-sample
+   window alone the baseline was ~1000 steps old; 64 under the same age bound would leave ~4
+   samples, one lost measurement from the 3 a key needs. A plain step taken while drafting
+   gives up that step's drafting gain: at a 1.5x speedup, 3% plain steps cost ~1% of the
+   throughput (~0.5% at 64: the bound on staleness costs ~0.5% more).
 
 4. **Engine-wide acceptance prior** (``engine_prior``). A new request's acceptance estimate starts
    from the engine-wide per-token acceptance (discounted counts over every verification of every
@@ -148,7 +159,7 @@ class ControllerConfig:
     engine_prior: bool = True  # new requests start from the engine-wide acceptance estimate
     engine_acceptance_decay: float = 0.95  # discount of engine-wide counts per verification
     probe_overhead: float = 0.02  # probes of a request cost at most this share of its time
-    explore_interval: int = 64  # drafting steps of a batch-size bucket between plain steps
+    explore_interval: int = 32  # drafting steps of a batch-size bucket between plain steps
     calibrated_exit: bool = True  # lower the exit threshold where drafts are known to land
     calibration_bins: int = 10
     calibration_min_count: float = 8.0  # discounted verified drafts a bin needs to be trusted
@@ -240,6 +251,7 @@ class DraftLengthController:
         self.config = config
         self._states: dict[str, _RequestState] = {}
         self._costs = StepCosts()
+        self._priced = self._costs  # self._costs in one unit (see set_step_costs)
         self._window = _Window()
         # engine-wide discounted accepted / tried draft positions (the new requests' prior)
         self._engine_acc = 0.0
@@ -361,8 +373,13 @@ class DraftLengthController:
     def set_step_costs(self, costs: StepCosts) -> None:
         """Plan with these measured costs from now on (a snapshot of a
         :class:`~vllm_selfspec.step_costs.StepCostRecorder`; give every tensor-parallel rank the
-        same one)."""
+        same one).
+
+        Costs are combined only from a :meth:`StepCosts.comparable` table: a table with draft
+        forwards (seconds) but no verification (then the unit 1.0) prices drafts with the prior
+        (``prior_cost_ratio`` plain steps), as an empty one does."""
         self._costs = costs
+        self._priced = costs.comparable()
 
     @property
     def step_costs(self) -> StepCosts:
@@ -370,19 +387,21 @@ class DraftLengthController:
 
     def cost_ratio(self, batch_size: int) -> float:
         """One draft forward over the whole batch, in plain steps of that batch."""
-        plain = self._costs.plain_cost(batch_size)
-        return float(self._costs.draft_cost(batch_size, batch_size,
-                                            self.config.prior_cost_ratio)) / plain
+        c = self._priced
+        return float(c.draft_cost(batch_size, batch_size, self.config.prior_cost_ratio)) / (
+            c.plain_cost(batch_size))
 
     def verify_cost_ratio(self, batch_size: int, k: int | None = None) -> float:
         """Verifying ``k`` (default ``k_max``) drafts per request, in plain steps."""
         k = self.config.k_max if k is None else k
-        return float(self._costs.verify_cost(batch_size, float(k))) / self._costs.plain_cost(
-            batch_size)
+        c = self._priced
+        return float(c.verify_cost(batch_size, float(k))) / c.plain_cost(batch_size)
 
     def _standalone_lengths(self, acceptances: np.ndarray, caps: np.ndarray) -> np.ndarray:
         """Per request, the best ``k`` if it were alone: measured batch-size-1 costs, else the
         prior (free verification, a draft forward of ``prior_cost_ratio``); 0: drafting off.
+        With no batch-size-1 verification measured, a measured batch-size-1 draft forward is not
+        used either (it is in seconds, the unmeasured verification in plain steps): the prior.
 
         The batch size's own costs do not enter: a request that would draft alone but is left
         out of a large batch's plan is not off (its acceptance is known, there is nothing to
@@ -392,7 +411,7 @@ class DraftLengthController:
         if kmax <= 0 or acceptances.size == 0:
             return np.zeros(acceptances.shape, dtype=np.int64)
         ks = np.arange(kmax + 1, dtype=np.float64)
-        c = self._costs.of_bucket(1)
+        c = self._costs.of_bucket(1).comparable()
         time = (np.asarray(c.verify_cost(1, ks)) + ks * float(c.draft_cost(1, 1,
                                                                            cfg.prior_cost_ratio)))
         time = time / c.plain_cost(1)
@@ -418,7 +437,7 @@ class DraftLengthController:
         ks_out = np.zeros(n, dtype=np.int64)
         if n == 0:
             return ks_out
-        c = self._costs
+        c = self._priced
         b = float(batch_size)
         fixed_k = np.array([k for _, k in fixed if k > 0], dtype=np.int64)
         fixed_gain = float(sum(expected_tokens(a, k) - 1.0 for a, k in fixed if k > 0))
@@ -443,7 +462,8 @@ class DraftLengthController:
         # ramp: at most twice the drafts per request measured at this batch size (at least 1),
         # so a new batch size learns its verification cost from cheap steps first
         # (with nothing measured yet there is nothing to protect: the first steps measure)
-        x_limit = max(1.0, 2.0 * c.measured_x(batch_size)) if c else math.inf
+        measured = self._costs
+        x_limit = max(1.0, 2.0 * measured.measured_x(batch_size)) if measured else math.inf
         best = (0, 0)
         zero = np.zeros(1)
         for cap_k in range(1, kmax + 1):
@@ -569,11 +589,12 @@ class DraftLengthController:
         that are off in a batch of ``batch_size`` cost at most ``probe_overhead`` of the time.
         A probe costs its draft forwards (one row) plus the extra verification, and the whole
         batch waits for it. Only once costs have been measured (before that the configured
-        schedule applies); at most ``_MAX_COST_BOUND_INTERVAL``."""
+        schedule applies, also while only draft forwards are measured: their seconds cannot be
+        set against an unmeasured verification); at most ``_MAX_COST_BOUND_INTERVAL``."""
         cfg = self.config
-        if not self._costs or cfg.probe_overhead <= 0:
+        c = self._priced
+        if not c or cfg.probe_overhead <= 0:
             return 0
-        c = self._costs
         pb = cfg.probe_budget
         b = max(int(batch_size), 1)
         plain = c.plain_cost(b)

@@ -12,7 +12,11 @@ are measured here rather than assumed:
 * **draft forward**: one layer-skip forward over ``n`` rows, kept per power-of-two bucket of ``n``.
 
 Each key keeps its last few samples and answers with their median: a single outlier (a step that
-also ran a prefill, a scheduler hiccup, another process) moves nothing. :class:`StepCostRecorder`
+also ran a prefill, a scheduler hiccup, another process) moves nothing. A plain-step key also
+forgets samples older than ``max_plain_age`` measured steps of its bucket: it is the baseline of
+every plan, and an engine that drafts measures it only on the controller's occasional plain
+steps, so a window of samples alone could hold a baseline many hundreds of steps old (15 samples
+at one plain step in 64 were ~1000 steps). :class:`StepCostRecorder`
 collects samples on one worker; :meth:`StepCostRecorder.snapshot` turns them into a
 :class:`StepCosts`, the immutable table the controller plans with. A snapshot flattens to a list of
 floats (:meth:`StepCosts.to_flat` / :meth:`StepCosts.from_flat`) so that tensor-parallel ranks can
@@ -64,6 +68,16 @@ class StepCosts:
 
     def __bool__(self) -> bool:
         return bool(self.verify) or bool(self.draft)
+
+    def comparable(self) -> StepCosts:
+        """This table where its costs can be combined with one another, else an empty one.
+
+        With no verification measured, :meth:`verify_cost` answers the unit 1.0 (one plain step)
+        while measured draft forwards are in seconds: added together, a 50 ms draft forward
+        would read as 5% of a plain step whatever the plain step costs. Such a table (draft
+        forwards only) is replaced by the empty table, which prices everything in plain steps:
+        verification free, a draft forward ``prior_ratio`` plain steps (:meth:`draft_cost`)."""
+        return self if self.verify or not self.draft else StepCosts()
 
     # ---- lookup -----------------------------------------------------------------------------
     def _verify_bucket(self, batch_size: int) -> int | None:
@@ -154,7 +168,10 @@ class StepCosts:
                    prior_ratio: float = 0.5) -> float | np.ndarray:
         """One draft forward over ``rows`` rows: interpolated over measured buckets (log scale),
         constant beyond them; with nothing measured, ``prior_ratio`` plain steps of
-        ``batch_size``. Zero rows cost nothing."""
+        ``batch_size``. Zero rows cost nothing.
+
+        Measured costs are in seconds; combine them with :meth:`verify_cost` only on a
+        :meth:`comparable` table (with no verification measured that one is a unit)."""
         rows_in = np.asarray(rows, dtype=np.float64)
         if not self.draft:
             out = np.full_like(rows_in, prior_ratio * self.plain_cost(batch_size))
@@ -198,19 +215,37 @@ class StepCosts:
 
 
 class StepCostRecorder:
-    """Collects step-cost samples on one worker; :meth:`snapshot` gives their medians."""
+    """Collects step-cost samples on one worker; :meth:`snapshot` gives their medians.
 
-    def __init__(self, window: int = 15, min_samples: int = 3) -> None:
+    Every key keeps its last ``window`` samples. A plain-step key (``x = 0``) of a bucket also
+    drops samples older than ``max_plain_age`` of that bucket's measured verification steps
+    (:meth:`observe_verify` calls, plain or not): its median is never older than that. With the
+    controller's default of one plain step in 33 at a bucket that always drafts, the age bound
+    keeps the last ~8 of them (more than the 3 a key needs, so a few unmeasured plain steps,
+    e.g. ones whose batch changed, do not make the key vanish); a key that does fall below
+    ``min_samples`` leaves the snapshot, and the controller then explores that bucket's plain step
+    every few steps until it is measured again. Steps that are not measured (the drafter measures
+    only steps whose batch did not change) do not advance the age."""
+
+    def __init__(self, window: int = 15, min_samples: int = 3,
+                 max_plain_age: int = 256) -> None:
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
         if not 1 <= min_samples <= window:
             raise ValueError(f"min_samples must be in [1, window], got {min_samples}")
+        if max_plain_age < 1:
+            raise ValueError(f"max_plain_age must be >= 1, got {max_plain_age}")
         self.window = window
         self.min_samples = min_samples
+        self.max_plain_age = max_plain_age
         self._verify: dict[tuple[int, float], deque[float]] = {}
         self._draft: dict[int, deque[float]] = {}
-        #: how many keys have reached ``min_samples`` samples: grows exactly when a snapshot
-        #: would gain an entry (the same on every tensor-parallel rank: all observe the same steps)
+        # per bucket: measured verification steps so far, and the step of each plain sample
+        self._steps: dict[int, int] = {}
+        self._plain_steps: dict[int, deque[int]] = {}
+        #: how many times a key has reached ``min_samples`` samples: grows exactly when a
+        #: snapshot would gain an entry (a plain-step key that aged out counts again when it is
+        #: back), the same on every tensor-parallel rank (all observe the same steps)
         self.ready_keys = 0
 
     def _append(self, samples: deque[float], seconds: float) -> None:
@@ -224,8 +259,32 @@ class StepCostRecorder:
         ``seconds`` (non-finite or non-positive times are ignored)."""
         if batch_size < 1 or draft_tokens < 0 or not _valid(seconds):
             return
-        key = (bucket(batch_size), quantise_x(draft_tokens, batch_size))
-        self._append(self._verify.setdefault(key, deque(maxlen=self.window)), seconds)
+        b = bucket(batch_size)
+        step = self._steps[b] = self._steps.get(b, 0) + 1
+        key = (b, quantise_x(draft_tokens, batch_size))
+        samples = self._verify.setdefault(key, deque(maxlen=self.window))
+        before = len(samples)
+        samples.append(seconds)
+        if key[1] == 0.0:
+            self._plain_steps.setdefault(b, deque(maxlen=self.window)).append(step)
+        self._age_plain(b, step)  # only ever drops samples: no key gains an entry by it
+        if before < self.min_samples <= len(samples):
+            self.ready_keys += 1
+
+    def _age_plain(self, b: int, step: int) -> None:
+        """Drop bucket ``b``'s plain-step samples taken ``max_plain_age`` or more steps ago."""
+        steps = self._plain_steps.get(b)
+        samples = self._verify.get((b, 0.0))
+        while steps and samples and step - steps[0] >= self.max_plain_age:
+            steps.popleft()
+            samples.popleft()
+
+    def plain_ages(self, batch_size: int) -> list[int]:
+        """Ages, in measured steps of ``batch_size``'s bucket, of the plain-step samples its
+        median is taken from (oldest first; 0: the latest measured step)."""
+        b = bucket(batch_size)
+        now = self._steps.get(b, 0)
+        return [now - s for s in self._plain_steps.get(b, ())]
 
     def observe_draft(self, rows: int, seconds: float) -> None:
         """One draft forward over ``rows`` rows took ``seconds``."""
