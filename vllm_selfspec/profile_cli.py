@@ -84,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("search", help="search a model's skip set and write a profile")
-    s.add_argument("model_dir", help="Hugging Face model folder")
+    s.add_argument("model_dir", help="Hugging Face model folder, or an embedded model's name "
+                   "(smollm2-135m, qwen2.5-coder-0.5b: downloaded and converted on first use)")
     s.add_argument("--out", required=True, help="profile to write (NAME.json)")
     s.add_argument("--budget", type=int, default=200,
                    help="total trials of the study, seeds included (default: 200)")
@@ -115,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     v = sub.add_parser("validate", help="check a profile against a model")
     v.add_argument("profile", help="profile .json path or shipped profile name")
-    v.add_argument("--model", required=True, help="Hugging Face model folder")
+    v.add_argument("--model", required=True,
+                   help="Hugging Face model folder, or an embedded model's name")
     v.add_argument("--score", action="store_true",
                    help="also estimate its acceptance and speedup on the model (transformers)")
     v.add_argument("--confirm", action="store_true",
@@ -312,8 +314,19 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _resolve_embedded_model(args: argparse.Namespace) -> None:
+    """An embedded model's name (``qwen2.5-coder-0.5b``) stands for its cached folder."""
+    from vllm_selfspec import assets
+
+    for attr in ("model_dir", "model"):
+        value = getattr(args, attr, None)
+        if value in assets.EMBEDDED_MODELS and not Path(value).exists():
+            setattr(args, attr, str(assets.embedded_model_dir(value)))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _resolve_embedded_model(args)
     _quiet_libraries()
     _set_threads(args)
     handler = {"search": cmd_search, "show": cmd_show, "validate": cmd_validate}[args.command]
