@@ -28,6 +28,8 @@ class RunResult:
     acceptance: float | None = None
     mean_accepted_length: float | None = None
     drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 def run_engine(
@@ -80,6 +82,8 @@ def run_engine(
             result.acceptance = acceptance_rate(delta)
             result.mean_accepted_length = mean_accepted_length(delta)
             result.drafts = int(delta.get("num_drafts", 0))
+            result.draft_tokens = int(delta.get("num_draft_tokens", 0))
+            result.accepted_tokens = int(delta.get("num_accepted_tokens", 0))
         return result
     finally:
         llm.llm_engine.engine_core.shutdown()
@@ -109,6 +113,11 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         metavar="N",
         help="insert N zero-output layers into the model and skip exactly those",
+    )
+    parser.add_argument(
+        "--json",
+        metavar="PATH",
+        help="also write the result (speeds, spec-decode counters, identical outputs) as JSON",
     )
     args = parser.parse_args(argv)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -171,6 +180,27 @@ def main(argv: list[str] | None = None) -> int:
         print(f"acceptance rate     : {fast.acceptance:8.2f}")
         print(f"mean accepted length: {fast.mean_accepted_length:8.2f} tokens per verification")
     print(f"outputs identical   : {identical}/{len(prompts)}")
+    if args.json:
+        result = {
+            "model": model,
+            "speculative_config": spec,
+            "num_prompts": len(prompts),
+            "max_tokens": args.max_tokens,
+            "batch_size": args.batch_size,
+            "plain_tokens_per_s": plain_tps,
+            "selfspec_tokens_per_s": fast_tps,
+            "speedup": fast_tps / plain_tps,
+            # vLLM's spec-decode counters over the timed passes
+            "num_drafts": fast.drafts,
+            "num_draft_tokens": fast.draft_tokens,
+            "num_accepted_tokens": fast.accepted_tokens,
+            "acceptance_rate": fast.acceptance,
+            "mean_accepted_length": fast.mean_accepted_length,
+            "output_tokens": [len(o) for o in plain.outputs],
+            "outputs_identical": identical,
+        }
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
     return 0 if identical == len(prompts) else 1
 
 
