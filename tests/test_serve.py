@@ -1,13 +1,19 @@
-"""`vllm serve` with selfspec, end to end: the OpenAI API, /metrics, and a load burst.
+"""`vllm serve` with selfspec, end to end: the OpenAI API, /metrics, load, faults and memory.
 
 One plain server of the tiny model runs every request first (the reference; it is stopped before
 the next server starts), then one selfspec server runs the same requests, driven with the official
 ``openai`` client: completions and chat completions, streaming and not, ``n > 1``, stop strings,
 stop token ids, logprobs, max_tokens running into max_model_len, per-request draft caps through
 ``vllm_xargs``. Greedy responses must be identical (token ids, text, finish reasons; logprob values
-to 1e-3). Then /metrics must show vLLM's spec-decode counters and the plugin's own metrics, and a
-burst of concurrent mixed requests (greedy, sampled, clients that disconnect mid-stream) must leave
-the server up, idle and at its memory level, with every completed greedy response equal to plain.
+to 1e-3). Then /metrics must show vLLM's spec-decode counters and the plugin's own metrics; two
+bursts of concurrent mixed requests (greedy, sampled, clients that disconnect mid-stream) must
+leave the server up and idle, every completed greedy response equal to plain, and the server's
+memory growth per burst within that of the plain server on the same bursts (+64 MiB); a burst of
+200 concurrent requests with random parameters, invalid ones among them, must get the same HTTP
+status codes as on the plain server (vLLM's own 4xx for invalid input, nothing else) and the same
+greedy outputs. A second selfspec server with a long max_model_len checks that closed streams and
+cancelled non-streamed requests are aborted mid-drafting, and that the server answers like plain
+afterwards.
 
 On the CPU build the server is ``python -m vllm.entrypoints.openai.api_server`` (same flags as
 ``vllm serve``).
@@ -52,9 +58,11 @@ LOAD_TIMEOUT_S = 300.0
 REQUEST_TIMEOUT_S = 180.0
 # The abort test (see test_disconnected_streams_are_aborted): the tiny model's position limit
 ABORT_MAX_MODEL_LEN = 1024
-# RSS of the server's process tree after a burst vs before it (see test_load_burst)
-RSS_TOLERANCE_REL = 0.10
-RSS_TOLERANCE_ABS = 256 << 20
+# RSS growth of the server's process tree per burst: selfspec's may exceed plain's by this much
+# (see test_load_burst)
+RSS_EXTRA_PER_BURST = 64 << 20
+# The burst of random and invalid requests (see test_fault_burst)
+FAULT_REQUESTS = 200
 
 
 # --- the requests -------------------------------------------------------------------------------
@@ -427,23 +435,182 @@ def load_requests(n: int = LOAD_REQUESTS, seed: int = 0) -> list[dict[str, Any]]
     return out
 
 
-async def _one(client: Any, req: dict[str, Any]) -> tuple[str, Any]:
+# Parameters vLLM refuses (400) or clips; applied to some of the random fault requests
+INVALID_MUTATIONS: list[tuple[str, dict[str, Any]]] = [
+    ("max_tokens_too_large", {"max_tokens": 100_000}),
+    ("max_tokens_0", {"max_tokens": 0}),
+    ("temperature_negative", {"temperature": -0.5}),
+    ("top_p_above_1", {"top_p": 1.5}),
+    ("n_0", {"n": 0}),
+    ("n_greedy", {"n": 2, "temperature": 0.0}),
+    ("prompt_too_long", {"prompt": "__too_long__"}),
+    ("top_k_negative", {"extra_body": {"top_k": -7}}),
+]
+STOPS = [None, None, None, ["."], [" the", "\n"], ["e"], ["ing"]]
+
+
+def _deterministic(kwargs: dict[str, Any]) -> bool:
+    """Greedy, or sampling with top_k=1 (the argmax): the output must equal plain decoding."""
+    return kwargs.get("temperature") == 0.0 or (kwargs.get("extra_body") or {}).get("top_k") == 1
+
+
+def fault_requests(n: int = FAULT_REQUESTS, seed: int = 1) -> list[dict[str, Any]]:
+    """Edge cases first, then random parameters (temperature, top_p, top_k, max_tokens, stop, n,
+    logprobs, streaming or not, completions or chat), about one in seven made invalid."""
+    rng = random.Random(seed)
+    prompts = _corpus_prompts()
+    greedy = {"temperature": 0.0, "extra_body": {"return_token_ids": True}}
+    full = _token_prompt(MAX_MODEL_LEN - 1, 5)
+    edge: list[tuple[str, str, dict[str, Any]]] = [
+        ("prompt_max_model_len_minus_1", "cmpl", {"prompt": full, "max_tokens": 16, **greedy}),
+        (
+            "prompt_max_model_len_minus_1_stream",
+            "cmpl",
+            {"prompt": full, "max_tokens": 16, "stream": True, "logprobs": 2, **greedy},
+        ),
+        ("prompt_max_model_len_minus_1_no_max", "cmpl", {"prompt": full, **greedy}),
+        ("prompt_empty", "cmpl", {"prompt": "", "max_tokens": 8, **greedy}),
+        ("prompt_empty_stream", "cmpl", {"prompt": "", "max_tokens": 8, "stream": True, **greedy}),
+        ("prompt_empty_ids", "cmpl", {"prompt": [], "max_tokens": 8, **greedy}),
+        (
+            "chat_empty",
+            "chat",
+            {"messages": [{"role": "user", "content": ""}], "max_tokens": 8, **greedy},
+        ),
+        ("max_tokens_1", "cmpl", {"prompt": prompts[3], "max_tokens": 1, "logprobs": 3, **greedy}),
+        (
+            "max_tokens_1_stream",
+            "cmpl",
+            {"prompt": prompts[4], "max_tokens": 1, "stream": True, **greedy},
+        ),
+        (
+            "max_tokens_1_chat",
+            "chat",
+            {"messages": [{"role": "user", "content": prompts[5]}], "max_tokens": 1, **greedy},
+        ),
+    ]
+    for stream in (False, True):
+        edge.append(
+            (
+                f"n4_sampled{'_stream' * stream}",
+                "cmpl",
+                {
+                    "prompt": prompts[2],
+                    "n": 4,
+                    "max_tokens": 24,
+                    "temperature": 1.0,
+                    "top_p": 0.9,
+                    "stream": stream,
+                    "logprobs": 1,
+                    "extra_body": {"return_token_ids": True, "ignore_eos": True},
+                },
+            )
+        )
+        edge.append(
+            (
+                f"n4_argmax{'_stream' * stream}",
+                "cmpl",
+                {
+                    "prompt": prompts[6],
+                    "n": 4,
+                    "max_tokens": 24,
+                    "temperature": 0.8,
+                    "stream": stream,
+                    "extra_body": {"return_token_ids": True, "top_k": 1},
+                },
+            )
+        )
+    out = [{"id": name, "kind": kind, "kwargs": kw, "edge": True} for name, kind, kw in edge]
+    for i in range(n - len(out)):
+        kind = "chat" if rng.random() < 0.25 else "cmpl"
+        temperature = rng.choice([0.0, 0.0, 0.0, 0.6, 1.0, 1.4])
+        extra: dict[str, Any] = {"return_token_ids": True}
+        kw: dict[str, Any] = {
+            "temperature": temperature,
+            "max_tokens": rng.choice([1, 2, 8, 16, 32, 48]),
+            "stream": rng.random() < 0.5,
+            "extra_body": extra,
+        }
+        if rng.random() < 0.4:
+            kw["top_p"] = rng.choice([0.5, 0.9, 1.0])
+        if rng.random() < 0.4:
+            extra["top_k"] = rng.choice([1, 5, 50, -1])
+        if rng.random() < 0.5:
+            extra["ignore_eos"] = True
+        if rng.random() < 0.2:
+            extra["vllm_xargs"] = rng.choice(
+                [{"selfspec_num_speculative_tokens": 1}, {"selfspec_adaptive": 0}]
+            )
+        stop = rng.choice(STOPS)
+        if stop:
+            kw["stop"] = stop
+        if temperature > 0:
+            kw["n"] = rng.choice([1, 1, 2, 3, 4])
+            if rng.random() < 0.3:
+                kw["seed"] = i
+        if kind == "cmpl":
+            if rng.random() < 0.7:
+                n_prompt = rng.choice([1, 5, 20, 60, 120, 180])
+                kw["prompt"] = _token_prompt(n_prompt, offset=17 * i)
+            else:
+                kw["prompt"] = prompts[rng.randrange(len(prompts))]
+            if rng.random() < 0.4:
+                kw["logprobs"] = rng.choice([0, 1, 5])
+        else:
+            kw["messages"] = [{"role": "user", "content": prompts[rng.randrange(len(prompts))]}]
+            if rng.random() < 0.4:
+                kw.update(logprobs=True, top_logprobs=rng.choice([0, 2]))
+        name = "random"
+        if rng.random() < 0.15:
+            name, mutation = INVALID_MUTATIONS[rng.randrange(len(INVALID_MUTATIONS))]
+            for key, value in mutation.items():
+                if key == "extra_body":
+                    extra.update(value)
+                elif key == "prompt":
+                    if kind == "cmpl":
+                        kw["prompt"] = _token_prompt(MAX_MODEL_LEN + 8, i)
+                    else:
+                        kw["messages"] = [{"role": "user", "content": " ".join(prompts) * 2}]
+                else:
+                    kw[key] = value
+        out.append({"id": f"{name}_{i}", "kind": kind, "kwargs": kw, "edge": False})
+    return out
+
+
+async def _call(client: Any, req: dict[str, Any]) -> tuple[str, Any]:
     kind, kwargs = req["kind"], req["kwargs"]
     api = client.completions if kind == "cmpl" else client.chat.completions
+    if not kwargs.get("stream"):
+        resp = await api.create(model=SERVED_MODEL_NAME, **kwargs)
+        return "ok", summarize(kind, resp)
+    stream = await api.create(model=SERVED_MODEL_NAME, **kwargs)
+    chunks = []
+    async for chunk in stream:
+        chunks.append(chunk)
+        if req.get("disconnect_after") is not None and len(chunks) >= req["disconnect_after"]:
+            await stream.close()  # the client goes away mid-stream
+            return "disconnected", len(chunks)
+    return "ok", summarize_stream(kind, chunks)
+
+
+async def _one(client: Any, req: dict[str, Any]) -> tuple[str, Any]:
     try:
-        if not kwargs.get("stream"):
-            resp = await api.create(model=SERVED_MODEL_NAME, **kwargs)
-            return "ok", summarize(kind, resp)
-        stream = await api.create(model=SERVED_MODEL_NAME, **kwargs)
-        chunks = []
-        async for chunk in stream:
-            chunks.append(chunk)
-            if req["disconnect_after"] is not None and len(chunks) >= req["disconnect_after"]:
-                await stream.close()  # the client goes away mid-stream
-                return "disconnected", len(chunks)
-        return "ok", summarize_stream(kind, chunks)
+        return await _call(client, req)
     except Exception as exc:  # counted and reported by the test
         return "error", f"{type(exc).__name__}: {exc}"
+
+
+async def _one_coded(client: Any, req: dict[str, Any]) -> tuple[int | str, Any]:
+    """(HTTP status, summary or error message); an error without a status (a broken connection,
+    an error event in a stream, a timeout) is named by its exception type."""
+    import openai
+
+    try:
+        return 200, (await _call(client, req))[1]
+    except openai.APIStatusError as exc:
+        return exc.status_code, str(exc)[:300]
+    except Exception as exc:
+        return type(exc).__name__, str(exc)[:300]
 
 
 def _async_client(base_url: str) -> Any:
@@ -458,20 +625,52 @@ def _async_client(base_url: str) -> Any:
     )
 
 
-async def _burst(base_url: str, reqs: list[dict[str, Any]]) -> list[tuple[str, Any]]:
+async def _burst(base_url: str, reqs: list[dict[str, Any]], one: Any = _one) -> list[Any]:
     client = _async_client(base_url)
     try:
         return await asyncio.wait_for(
-            asyncio.gather(*(_one(client, r) for r in reqs)), timeout=LOAD_TIMEOUT_S
+            asyncio.gather(*(one(client, r) for r in reqs)), timeout=LOAD_TIMEOUT_S
         )
     finally:
         await client.close()
 
 
-def run_burst(base_url: str, reqs: list[dict[str, Any]]) -> tuple[list[tuple[str, Any]], float]:
+def run_burst(
+    base_url: str, reqs: list[dict[str, Any]], one: Any = _one
+) -> tuple[list[Any], float]:
+    """All of ``reqs`` at once; ``one`` runs a request (``_one`` or ``_one_coded``)."""
     start = time.monotonic()
-    results = asyncio.run(_burst(base_url, reqs))
+    results = asyncio.run(_burst(base_url, reqs, one))
     return results, time.monotonic() - start
+
+
+def memory_bursts(server: Any, reqs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Two identical bursts of ``reqs``; RSS of the server's process tree before and after each
+    (idle, aborted streams released, 2 s to settle)."""
+    wait_idle(server)
+    out: dict[str, Any] = {
+        "rss": [server.rss_bytes()],
+        "procs": [server.rss_by_process()],
+        "metrics": [server.metrics()],
+        "results": [],
+        "durations": [],
+    }
+    for _ in range(2):
+        results, duration = run_burst(server.openai_url, reqs)
+        assert server.alive() and server.healthy(), server.log_tail()
+        out["metrics"].append(wait_idle(server))
+        time.sleep(2.0)
+        out["rss"].append(server.rss_bytes())
+        out["procs"].append(server.rss_by_process())
+        out["results"].append(results)
+        out["durations"].append(duration)
+    return out
+
+
+def rss_growth(bursts: dict[str, Any]) -> list[int]:
+    """RSS growth (bytes) of each burst."""
+    rss = bursts["rss"]
+    return [after - before for before, after in zip(rss, rss[1:], strict=False)]
 
 
 def wait_idle(server: Any, timeout_s: float = 60.0) -> dict[str, Any]:
@@ -518,14 +717,26 @@ def reference(model_dir):
         reqs = functional_requests(stops)
         results = {name: run_request(client, kind, kw) for name, (kind, kw) in reqs.items()}
         long_off = run_request(client, *long_off_request())
-        load = [r for r in load_requests() if r["role"] in ("greedy", "greedy_chat")]
-        burst, _ = run_burst(server.openai_url, load)
         metrics_text = server.metrics_text()
+        load = load_requests()
+        bursts = memory_bursts(server, load)  # the same bursts as test_load_burst
+        faults = fault_requests()
+        fault_results, fault_s = run_burst(server.openai_url, faults, _one_coded)
+        assert server.healthy(), server.log_tail()
+    greedy = {
+        r["id"]: res
+        for r, res in zip(load, bursts["results"][0], strict=True)
+        if r["role"] in ("greedy", "greedy_chat")
+    }
+    assert all(st == "ok" for st, _ in greedy.values()), greedy
     return {
         "stops": stops,
         "functional": results,
         "long_off": long_off,
-        "load": {r["id"]: res for r, res in zip(load, burst, strict=True)},
+        "load": greedy,
+        "load_bursts": bursts,
+        "faults": dict(zip([r["id"] for r in faults], fault_results, strict=True)),
+        "fault_s": fault_s,
         "metrics_text": metrics_text,
     }
 
@@ -672,32 +883,23 @@ def test_drafting_off_gauge_mid_stream(spec_server, reference):
 
 
 def test_load_burst(spec_server, reference):
-    """>= 64 concurrent requests of mixed lengths; greedy and sampled; early disconnects.
+    """>= 64 concurrent requests of mixed lengths; greedy and sampled; early disconnects; twice.
 
     Passes when: the server stays up and healthy; no request errors or hangs (every request
     finishes within REQUEST_TIMEOUT_S, the burst within LOAD_TIMEOUT_S); every completed greedy
     response equals the plain server's; the server is idle afterwards (disconnected streams were
-    aborted, nothing left running or waiting); the RSS of the server's process tree after the burst
-    is within max(RSS_TOLERANCE_REL, RSS_TOLERANCE_ABS) of its level before the burst.
+    aborted, nothing left running or waiting); and in each burst the RSS of the server's process
+    tree grew by at most what the plain server's grew in the same burst (the reference fixture
+    runs both bursts on it; a shrinking plain server counts as 0) plus RSS_EXTRA_PER_BURST. A
+    leak of a few MiB per request (a quarter GiB per burst) fails; allocator and page-cache noise
+    of a few tens of MiB, which both servers have, does not.
     """
     reqs = load_requests()
     assert len(reqs) >= 64
-    wait_idle(spec_server)
-    rss_before = spec_server.rss_bytes()
-    rss_before_procs = spec_server.rss_by_process()
-    before = spec_server.metrics()
-    results, duration = run_burst(spec_server.openai_url, reqs)
-    assert spec_server.alive() and spec_server.healthy(), spec_server.log_tail()
-    after = wait_idle(spec_server)
-    time.sleep(2.0)
-    rss_after = spec_server.rss_bytes()
-    # a second identical burst: memory must not keep growing
-    results2, duration2 = run_burst(spec_server.openai_url, reqs)
-    wait_idle(spec_server)
-    time.sleep(2.0)
-    rss_after2 = spec_server.rss_bytes()
-    rss_after2_procs = spec_server.rss_by_process()
-    assert spec_server.alive() and spec_server.healthy(), spec_server.log_tail()
+    spec = memory_bursts(spec_server, reqs)
+    plain = reference["load_bursts"]
+    results, results2 = spec["results"]
+    before, after = spec["metrics"][0], spec["metrics"][1]
 
     def tally(res):
         return {s: sum(1 for st, _ in res if st == s) for s in ("ok", "disconnected", "error")}
@@ -735,28 +937,148 @@ def test_load_burst(spec_server, reference):
         if r["role"] == "disconnect"
     )
     mib = 1 << 20
+    spec_growth, plain_growth = rss_growth(spec), rss_growth(plain)
+    allowed = [max(g, 0) + RSS_EXTRA_PER_BURST for g in plain_growth]
     roles = {k: sum(r["role"] == k for r in reqs) for k in sorted({r["role"] for r in reqs})}
+
+    def rss_line(name: str, bursts: dict[str, Any]) -> str:
+        rss = [f"{b / mib:.0f}" for b in bursts["rss"]]
+        growth = [f"{g / mib:+.0f}" for g in rss_growth(bursts)]
+        durations = [f"{d:.1f}" for d in bursts["durations"]]
+        return (
+            f"\n  RSS server tree {name}: {' -> '.join(rss)} MiB, growth per burst {growth} MiB"
+            f" (bursts {durations} s); by process (MiB) before {bursts['procs'][0]},"
+            f" after {bursts['procs'][-1]}"
+        )
+
     print(
         f"\nload burst: {len(reqs)} requests, all concurrent (concurrency {len(reqs)}), "
         f"roles {roles}"
-        f"\n  burst 1: {duration:.1f} s, {tally(results)}; tokens generated for the disconnected "
-        f"streams {disconnected_tokens:.0f} of {disconnected_full} had they run to the end"
-        f"\n  burst 2: {duration2:.1f} s, {tally(results2)}"
+        f"\n  burst 1: {spec['durations'][0]:.1f} s, {tally(results)}; tokens generated for the "
+        f"disconnected streams {disconnected_tokens:.0f} of {disconnected_full} had they run to "
+        f"the end"
+        f"\n  burst 2: {spec['durations'][1]:.1f} s, {tally(results2)}"
         f"\n  greedy responses compared with plain: {greedy_checked}, mismatches: {len(mismatches)}"
         f"\n  errors: {len(errors)}"
-        f"\n  RSS server tree: before {rss_before / mib:.0f} MiB, after burst 1 "
-        f"{rss_after / mib:.0f} MiB ({(rss_after - rss_before) / mib:+.0f}), after burst 2 "
-        f"{rss_after2 / mib:.0f} MiB ({(rss_after2 - rss_before) / mib:+.0f}); tolerance "
-        f"max({RSS_TOLERANCE_REL:.0%}, {RSS_TOLERANCE_ABS / mib:.0f} MiB)"
-        f"\n  RSS by process (MiB) before: {rss_before_procs}\n  after burst 2: {rss_after2_procs}"
+        + rss_line("plain", plain)
+        + rss_line("selfspec", spec)
+        + f"\n  allowed selfspec growth per burst {[f'{a / mib:.0f}' for a in allowed]} MiB"
     )
     assert not errors, errors[:5]
     assert not mismatches, "\n".join(mismatches[:5])
     assert tally(results)["disconnected"] == sum(r["role"] == "disconnect" for r in reqs)
     assert greedy_checked == 2 * sum(r["role"] in ("greedy", "greedy_chat") for r in reqs)
-    tolerance = max(RSS_TOLERANCE_REL * rss_before, RSS_TOLERANCE_ABS)
-    assert rss_after - rss_before <= tolerance, (rss_before, rss_after)
-    assert rss_after2 - rss_before <= tolerance, (rss_before, rss_after2)
+    assert len(spec_growth) == len(plain_growth) == 2
+    for i, (got, limit) in enumerate(zip(spec_growth, allowed, strict=True)):
+        assert got <= limit, (
+            f"burst {i + 1}: selfspec RSS grew {got / mib:.0f} MiB, "
+            f"plain {plain_growth[i] / mib:.0f} MiB (allowed {limit / mib:.0f} MiB)"
+        )
+
+
+def _well_formed(req: dict[str, Any], summary: dict[str, Any]) -> list[str]:
+    """What is wrong with a 200 response to a fault request (sampled: its output is random)."""
+    kw = req["kwargs"]
+    problems = []
+    if len(summary["choices"]) != kw.get("n", 1):
+        problems.append(f"{len(summary['choices'])} choices for n={kw.get('n', 1)}")
+    room = kw["max_tokens"] if "max_tokens" in kw else MAX_MODEL_LEN
+    if isinstance(kw.get("prompt"), list):
+        room = min(room, MAX_MODEL_LEN - len(kw["prompt"]))
+    for c in summary["choices"].values():
+        n_tokens = len(c["token_ids"])
+        if c["finish_reason"] not in ("stop", "length") or n_tokens > room:
+            problems.append(f"finish {c['finish_reason']} after {n_tokens} tokens (room {room})")
+        elif c["finish_reason"] == "length" and isinstance(kw.get("prompt"), list):
+            if n_tokens != room:
+                problems.append(f"finish length after {n_tokens} tokens (room {room})")
+    return problems
+
+
+def test_fault_burst(spec_server, reference):
+    """FAULT_REQUESTS requests at once: edge cases (a prompt of max_model_len - 1 tokens, empty
+    prompts, max_tokens=1, n=4 sampling) and random parameters, some invalid (max_tokens too
+    large or 0, negative temperature, top_p > 1, n=0, n>1 greedy, prompts over max_model_len, bad
+    top_k or draft caps), streamed and not.
+
+    Passes when: every request gets the HTTP status the plain server gave it (the reference
+    fixture ran the same burst; 400 for an invalid draft cap, which plain vLLM ignores), and
+    that is 200 or a 4xx (vLLM's refusal of invalid input) and
+    nothing else, no broken connection or error event mid-stream; deterministic responses (greedy
+    or top_k=1) equal plain's; sampled 200s are well formed (n choices, finish reason, lengths);
+    the server is healthy, idle and answers like plain afterwards.
+    """
+    reqs = fault_requests()
+    assert len(reqs) == FAULT_REQUESTS
+    plain = reference["faults"]
+    results, duration = run_burst(spec_server.openai_url, reqs, _one_coded)
+    assert spec_server.alive() and spec_server.healthy(), spec_server.log_tail()
+    wait_idle(spec_server)
+    spec = dict(zip([r["id"] for r in reqs], results, strict=True))
+
+    def tally(res: dict[str, Any]) -> dict[str, int]:
+        codes = [str(code) for code, _ in res.values()]
+        return {c: codes.count(c) for c in sorted(set(codes))}
+
+    # an invalid selfspec override is refused (400) where plain vLLM ignores the unknown xargs
+    expected = {rid: 400 if rid.startswith("bad_xargs") else plain[rid][0] for rid in spec}
+    different = {
+        rid: (expected[rid], spec[rid][0], spec[rid][1] if spec[rid][0] != 200 else "")
+        for rid in spec
+        if spec[rid][0] != expected[rid]
+    }
+    not_4xx = {
+        rid: (code, msg)
+        for rid, (code, msg) in {**plain, **spec}.items()
+        if code != 200 and not (isinstance(code, int) and 400 <= code < 500)
+    }
+    mismatches, malformed = [], []
+    compared = 0
+    for r in reqs:
+        (p_code, p_val), (s_code, s_val) = plain[r["id"]], spec[r["id"]]
+        if p_code != 200 or s_code != 200:
+            continue
+        if _deterministic(r["kwargs"]):
+            compared += 1
+            try:
+                assert_same(p_val, s_val, f"fault[{r['id']}]")
+            except AssertionError as exc:
+                mismatches.append(str(exc))
+        else:
+            malformed += [(r["id"], p) for p in _well_formed(r, s_val)]
+    invalid = sum(1 for r in reqs if not r["id"].startswith("random"))
+    print(
+        f"\nfault burst: {len(reqs)} requests at once ({invalid} edge or invalid), "
+        f"plain {reference['fault_s']:.1f} s, selfspec {duration:.1f} s"
+        f"\n  status codes plain {tally(plain)}, selfspec {tally(spec)}"
+        f"\n  deterministic responses compared with plain: {compared}, "
+        f"mismatches {len(mismatches)}; sampled malformed: {len(malformed)}"
+        f"\n  edge cases: " + ", ".join(f"{r['id']}={spec[r['id']][0]}" for r in reqs if r["edge"])
+    )
+    assert not different, different
+    assert not not_4xx, not_4xx
+    assert not mismatches, "\n".join(mismatches[:5])
+    assert not malformed, malformed[:10]
+    # the workload covers what it claims
+    codes = tally(plain)
+    assert codes.get("200", 0) >= FAULT_REQUESTS // 2 and codes.get("400", 0) >= 10, codes
+    assert compared >= 60, compared
+    edge = {r["id"]: spec[r["id"]] for r in reqs if r["edge"]}
+    for name in ("prompt_max_model_len_minus_1", "prompt_max_model_len_minus_1_stream"):
+        code, val = edge[name]
+        assert code == 200 and len(val["choices"][0]["token_ids"]) == 1, (name, code, val)
+        assert val["choices"][0]["finish_reason"] == "length", (name, val)
+    for name in ("max_tokens_1", "max_tokens_1_stream", "max_tokens_1_chat"):
+        code, val = edge[name]
+        assert code == 200 and len(val["choices"][0]["token_ids"]) == 1, (name, code, val)
+    for name in ("n4_sampled", "n4_sampled_stream", "n4_argmax", "n4_argmax_stream"):
+        code, val = edge[name]
+        assert code == 200 and len(val["choices"]) == 4, (name, code, val)
+    # afterwards: healthy, idle, and the same answers as plain
+    client = _client(spec_server)
+    for name in ("cmpl_0", "cmpl_n3"):
+        kind, kw = functional_requests(reference["stops"])[name]
+        assert_same(reference["functional"][name], run_request(client, kind, kw), name)
 
 
 async def _abort_phase(
@@ -847,3 +1169,90 @@ def test_disconnected_streams_are_aborted(long_spec_server):
     )
     assert finished_by_length == len(background), finished_by_length
     assert 0 <= closed_tokens < 0.5 * full, (closed_tokens, generated, background_tokens)
+
+
+async def _cancel_mid_draft(
+    server: Any, reqs: list[dict[str, Any]], drafts_before: float
+) -> tuple[float, list[Any]]:
+    """Start ``reqs`` (non-streamed), wait until they all run and the engine has verified drafts
+    for them, then cancel them (the client closes each connection; vLLM aborts the request).
+    Returns the drafts verified before the cancel and what the cancelled calls returned."""
+    client = _async_client(server.openai_url)
+    try:
+        tasks = [asyncio.ensure_future(_one(client, r)) for r in reqs]
+        deadline = time.monotonic() + 60.0
+        while True:
+            m = await asyncio.to_thread(server.metrics)
+            running = metric_value(m, "vllm:num_requests_running")
+            drafts = metric_value(m, "vllm:spec_decode_num_drafts_total") - drafts_before
+            if running >= len(reqs) and drafts >= 2 * len(reqs):
+                break
+            assert not any(t.done() for t in tasks), [t.result() for t in tasks if t.done()]
+            assert time.monotonic() < deadline, f"never drafting: {running=} {drafts=}"
+            await asyncio.sleep(0.05)
+        for t in tasks:
+            t.cancel()
+        return drafts, list(await asyncio.gather(*tasks, return_exceptions=True))
+    finally:
+        await client.close()
+
+
+def test_aborted_requests_mid_draft(long_spec_server, reference):
+    """Non-streamed requests (greedy, sampled with n=2, chat) whose client goes away while the
+    engine drafts for them are aborted: none finishes (by length or stop), the tokens generated for
+    them stay below their full length, the server is idle at once, and its next answers equal the
+    plain server's (no KV block, draft or controller state of the aborted requests left over).
+    """
+    server = long_spec_server
+    n_prompt = 8
+    full_len = ABORT_MAX_MODEL_LEN - n_prompt
+    base = {"max_tokens": full_len, "extra_body": {"ignore_eos": True}}
+    reqs = [
+        {"kind": "cmpl", "kwargs": {**base, "prompt": _token_prompt(n_prompt, 3), **GREEDY}},
+        {
+            "kind": "cmpl",
+            "kwargs": {**base, "prompt": _token_prompt(n_prompt, 9), "logprobs": 2, **GREEDY},
+        },
+        {
+            "kind": "cmpl",
+            "kwargs": {**base, "prompt": _token_prompt(n_prompt, 21), "n": 2, "temperature": 0.8},
+        },
+        {
+            "kind": "chat",
+            "kwargs": {
+                **base,
+                "max_tokens": ABORT_MAX_MODEL_LEN - 64,
+                "messages": [{"role": "user", "content": "Hi"}],
+                **GREEDY,
+            },
+        },
+    ]
+    sequences = sum(r["kwargs"].get("n", 1) for r in reqs)
+    success = "vllm:request_success_total"
+    before = wait_idle(server)
+    drafts_before = metric_value(before, "vllm:spec_decode_num_drafts_total")
+    drafts, cancelled = asyncio.run(_cancel_mid_draft(server, reqs, drafts_before))
+    assert all(isinstance(c, asyncio.CancelledError) for c in cancelled), cancelled
+    after = wait_idle(server, timeout_s=30.0)
+    assert server.healthy(), server.log_tail()
+    generated = metric_value(after, "vllm:generation_tokens_total") - metric_value(
+        before, "vllm:generation_tokens_total"
+    )
+    finished = {
+        reason: metric_value(after, success, finished_reason=reason)
+        - metric_value(before, success, finished_reason=reason)
+        for reason in ("length", "stop")
+    }
+    print(
+        f"\ncancelled mid-draft: {len(reqs)} requests ({sequences} sequences), drafts verified "
+        f"before the cancel {drafts:.0f}, tokens generated {generated:.0f} of "
+        f"{sequences * full_len} had they run to the end; finished {finished}"
+    )
+    assert finished["length"] == 0 and finished["stop"] == 0, finished
+    # The tokens generated before the abort reached the engine: 1399 of 5080 measured with a load
+    # average of 10 on 2 cores (the cancel waits for a /metrics poll); with the abort broken, all.
+    assert 0 < generated < 0.9 * sequences * full_len, generated
+    client = _client(server)
+    for name in ("cmpl_0", "cmpl_n3", "chat_stream"):
+        kind, kw = functional_requests(reference["stops"])[name]
+        assert_same(reference["functional"][name], run_request(client, kind, kw), name)
