@@ -115,6 +115,111 @@ def test_flat_vllm_xargs_overrides():
         validate_request_overrides(_flat_overrides({"selfspec_bogus": 1}), k_max=4)
 
 
+@pytest.fixture(scope="module")
+def input_processors(model_dir):
+    """vLLM's front-end input processors of a selfspec engine (k_max 3) and of a plain one."""
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    spec = _vllm_config(model_dir, {"method": "selfspec", "skip_attention": [2],
+                                    "num_speculative_tokens": 3})
+    return InputProcessor(spec), InputProcessor(_vllm_config(model_dir, None))
+
+
+def _process(processor, extra_args):
+    prompt = {"type": "token", "prompt_token_ids": [1, 2, 3]}
+    return processor.process_inputs("r", prompt, _params(extra_args), supported_tasks=("generate",))
+
+
+# (extra_args, the key the error names, words of its reason)
+BAD_OVERRIDES = [
+    ({"selfspec": {"num_speculative_tokens": 4}}, "selfspec.num_speculative_tokens",
+     "exceeds the configured maximum of 3"),
+    ({"selfspec_num_speculative_tokens": -3}, "selfspec_num_speculative_tokens",
+     "must be an int >= 0"),
+    ({"selfspec_num_speculative_tokens": 2.5}, "selfspec_num_speculative_tokens",
+     "must be an int >= 0"),
+    ({"selfspec_bogus": 1}, "selfspec_bogus", "unknown selfspec override key 'bogus'"),
+    ({"selfspec_adaptive": "maybe"}, "selfspec_adaptive", "must be a bool"),
+    ({"selfspec": {"adaptive": 1}}, "selfspec.adaptive", "must be a bool"),
+    ({"selfspec": {"draft_confidence_threshold": -0.1}}, "selfspec.draft_confidence_threshold",
+     "must be a number in [0, 1]"),
+    ({"selfspec": "k=2"}, "selfspec", "must be a dict"),
+    ({"selfspec": {}, "selfspec_adaptive": 0}, "selfspec", "not both"),
+]
+GOOD_OVERRIDES = [
+    None,
+    {"other": 1},
+    {"selfspec": {"num_speculative_tokens": 3, "adaptive": False}},
+    {"selfspec": {"num_speculative_tokens": 0, "draft_confidence_threshold": 1}},
+    {"selfspec_num_speculative_tokens": 2.0, "selfspec_adaptive": "false"},
+    {"selfspec_adaptive": 1, "selfspec_draft_confidence_threshold": 0.25},
+]
+
+
+def test_front_end_refuses_invalid_overrides(input_processors, monkeypatch):
+    """Patch 7: the input processor of a selfspec engine refuses bad overrides (key and reason);
+    a plain engine's passes them through as before; vLLM's servers answer the error with 400."""
+    from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+    from vllm.exceptions import VLLMValidationError
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    spec, plain = input_processors
+    for extra, key, reason in BAD_OVERRIDES:
+        with pytest.raises(ValueError) as info:
+            _process(spec, extra)
+        message = str(info.value)
+        assert repr(key) in message and reason in message, (extra, message)
+        assert isinstance(info.value, VLLMValidationError) and info.value.parameter == key
+        err = create_error_response(info.value).error
+        assert (err.code, err.param, err.message) == (400, key, message)
+        # other engines are untouched
+        assert _process(plain, extra).sampling_params.extra_args == extra
+    for extra in GOOD_OVERRIDES:
+        assert _process(spec, extra).sampling_params.extra_args == extra
+    # negative control: without the wrapper vLLM lets every bad override through to the worker
+    monkeypatch.setattr(InputProcessor, "_validate_params",
+                        InputProcessor._validate_params.__wrapped__)
+    for extra, _, _ in BAD_OVERRIDES:
+        assert _process(spec, extra).sampling_params.extra_args == extra
+
+
+def _params(extra_args):
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=4, extra_args=extra_args)
+
+
+def test_async_generate_refuses_before_streaming(input_processors):
+    """AsyncLLM.generate raises when called (before a server sends a streamed 200), and otherwise
+    returns vLLM's generator unstarted."""
+    import inspect
+    from types import SimpleNamespace as NS
+
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    spec, plain = input_processors
+    bad_extra, key, _ = BAD_OVERRIDES[0]
+    with pytest.raises(ValueError, match=key):
+        AsyncLLM.generate(NS(vllm_config=spec.vllm_config), {}, _params(bad_extra), "r")
+    for cfg, extra in ((spec.vllm_config, GOOD_OVERRIDES[2]), (plain.vllm_config, bad_extra)):
+        gen = AsyncLLM.generate(NS(vllm_config=cfg), {}, _params(extra), "r")
+        assert inspect.isasyncgen(gen) and gen.ag_frame is not None and not gen.ag_running
+        del gen
+
+
+def test_request_validation_patch_is_idempotent(input_processors):
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    first = (InputProcessor._validate_params, AsyncLLM.generate)
+    patches.install_request_validation()
+    patches.install_request_validation(only_if_imported=True)
+    assert (InputProcessor._validate_params, AsyncLLM.generate) == first
+    for fn in first:
+        assert getattr(fn, "_vllm_selfspec_patched", False)
+        assert not getattr(fn.__wrapped__, "_vllm_selfspec_patched", False)
+
+
 def test_cpu_top_k_only_with_no_draft_tokens():
     """vLLM (no Triton) crashes on top-k-only sampling when a spec-decode step has no drafts."""
     from vllm.triton_utils import HAS_TRITON

@@ -34,12 +34,28 @@ behaviour of an engine that did not ask for ``"method": "selfspec"``.
    request (``top_k`` set, ``top_p`` not), ``k.max()`` of the empty ``k`` raises and kills the
    engine core (one ``"top_k": 1`` request takes the whole server down). The wrapper returns the
    empty logits unchanged and delegates otherwise.
+7. ``InputProcessor._validate_params`` and ``AsyncLLM.generate`` (front-end process only;
+   installed when a selfspec config is built, or at plugin load for the modules already
+   imported): per-request overrides (``SamplingParams.extra_args["selfspec"]``, or flat
+   ``selfspec_<key>`` entries, which the OpenAI server fills from ``vllm_xargs``) reach vLLM as
+   opaque ``extra_args``, so an invalid one used to be ignored by the worker with a log line. The
+   input processor is where vLLM validates every other sampling parameter of a request before it
+   becomes an ``EngineCoreRequest``; the wrapper delegates, then checks the overrides against the
+   engine's ``k_max`` and raises :func:`request_error_type` (a ``ValueError`` for ``LLM.generate``
+   callers and a ``VLLMValidationError``, which vLLM's servers answer with 400), naming the key and
+   the reason. ``AsyncLLM.generate`` is an async generator: it reaches the input processor only when
+   first iterated, and a streamed response has sent its 200 by then. Its wrapper runs the same check
+   when it is called (the servers call it before they start the response), then returns vLLM's
+   generator. Engines without the selfspec method are not touched.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import sys
+from collections.abc import Mapping
 from typing import Any
 
 logger = logging.getLogger("vllm.selfspec.patches")
@@ -110,6 +126,7 @@ def apply_patches() -> None:
     _patch_cpu_expand_batch_to_tokens()
     _patch_cpu_empty_top_k_only()
     _install_metrics(only_if_imported=True)
+    install_request_validation(only_if_imported=True)
 
 
 # --- 1. the "selfspec" method alias -------------------------------------------------------------
@@ -138,6 +155,7 @@ def _patch_create_speculative_config(unsupported: str | None = None) -> None:
             additional[ADDITIONAL_CONFIG_KEY] = settings
             self.additional_config = additional
             _install_metrics()
+            install_request_validation()
         return original(self, target_model_config, target_parallel_config)
 
     setattr(create_speculative_config, _SENTINEL, True)
@@ -258,3 +276,128 @@ def _patch_cpu_empty_top_k_only() -> None:
     setattr(apply_top_k_only, _SENTINEL, True)
     apply_top_k_only.__wrapped__ = original  # type: ignore[attr-defined]
     topk_topp_sampler.apply_top_k_only = apply_top_k_only
+
+
+# --- 7. per-request overrides refused when the request arrives (front end) ----------------------
+
+OVERRIDES_KEY = "selfspec"  # SamplingParams.extra_args[OVERRIDES_KEY]: the nested overrides
+
+
+@functools.cache
+def request_error_type() -> type[ValueError]:
+    """The error of a refused per-request override: a ``ValueError`` (what ``LLM.generate``
+    callers catch) and vLLM's ``VLLMValidationError`` (its servers answer 400 and name the
+    ``parameter``). Built on first use: this module imports nothing from vLLM when it loads."""
+    from vllm.exceptions import VLLMValidationError
+
+    class SelfSpecRequestError(VLLMValidationError, ValueError):
+        """A per-request selfspec override is invalid for this engine."""
+
+        def __str__(self) -> str:  # the message names the key already: no "(parameter=...)"
+            return Exception.__str__(self)
+
+    SelfSpecRequestError.__module__ = __name__
+    SelfSpecRequestError.__qualname__ = SelfSpecRequestError.__name__
+    return SelfSpecRequestError
+
+
+def selfspec_k_max(vllm_config: Any) -> int | None:
+    """The engine's maximum draft length (what the drafter uses), None for other engines."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    if not is_selfspec_config(spec):
+        return None
+    return int(spec.num_speculative_tokens)
+
+
+def check_request_overrides(extra_args: Mapping[str, Any] | None, k_max: int) -> None:
+    """Raise :func:`request_error_type` for the first invalid selfspec override in
+    ``extra_args`` (a ``SamplingParams.extra_args``), with the key as the client wrote it and the
+    reason. Reads the overrides as the drafter does (nested dict first, else flat entries)."""
+    if not extra_args:
+        return
+    from vllm_selfspec.controller import validate_request_overrides
+    from vllm_selfspec.proposer import _FLAT_PREFIX, _flat_overrides
+
+    error = request_error_type()
+    nested = extra_args.get(OVERRIDES_KEY)
+    flat_keys = sorted(k for k in extra_args if isinstance(k, str) and k.startswith(_FLAT_PREFIX))
+    if nested is not None and flat_keys:
+        raise error(
+            f"per-request selfspec overrides: give either {OVERRIDES_KEY!r} (a dict) or flat "
+            f"{_FLAT_PREFIX}<key> entries, not both (got {OVERRIDES_KEY!r} and {flat_keys[0]!r})",
+            parameter=OVERRIDES_KEY,
+        )
+    if nested is not None:
+        if not isinstance(nested, Mapping):
+            raise error(
+                f"per-request selfspec override {OVERRIDES_KEY!r} must be a dict of overrides, "
+                f"got {type(nested).__name__}",
+                parameter=OVERRIDES_KEY,
+            )
+        items = [(f"{OVERRIDES_KEY}.{key}", key, value) for key, value in nested.items()]
+    else:
+        flat = _flat_overrides(dict(extra_args)) or {}
+        items = [(_FLAT_PREFIX + key, key, value) for key, value in flat.items()]
+    for name, key, value in items:
+        try:
+            validate_request_overrides({key: value}, k_max=k_max)
+        except ValueError as exc:
+            raise error(f"per-request selfspec override {name!r} refused: {exc}",
+                        parameter=name) from None
+
+
+def check_sampling_params(vllm_config: Any, params: Any) -> None:
+    """:func:`check_request_overrides` for a request's params on a selfspec engine; nothing for
+    other engines or for pooling params."""
+    k_max = selfspec_k_max(vllm_config)
+    if k_max is None:
+        return
+    check_request_overrides(getattr(params, "extra_args", None), k_max)
+
+
+def install_request_validation(only_if_imported: bool = False) -> None:
+    """Lazy like :func:`_install_metrics`: the two vLLM modules cost seconds to import, and only
+    front ends that build an engine (which imports them) need the wrappers."""
+    if not only_if_imported or "vllm.v1.engine.input_processor" in sys.modules:
+        _patch_input_processor_validation()
+    if not only_if_imported or "vllm.v1.engine.async_llm" in sys.modules:
+        _patch_async_generate_validation()
+
+
+def _patch_input_processor_validation() -> None:
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    original = getattr(InputProcessor, "_validate_params", None)
+    if original is None:  # pragma: no cover - a vLLM that renamed the hook
+        logger.warning("vLLM's InputProcessor has no _validate_params: per-request selfspec "
+                       "overrides are checked by the drafter only (invalid ones are ignored)")
+        return
+    if getattr(original, _SENTINEL, False):
+        return
+
+    @functools.wraps(original)
+    def _validate_params(self, params, *args, **kwargs):
+        result = original(self, params, *args, **kwargs)
+        check_sampling_params(self.vllm_config, params)
+        return result
+
+    setattr(_validate_params, _SENTINEL, True)
+    InputProcessor._validate_params = _validate_params
+
+
+def _patch_async_generate_validation() -> None:
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    original = AsyncLLM.generate
+    if getattr(original, _SENTINEL, False):
+        return
+
+    @functools.wraps(original)
+    def generate(self, prompt, sampling_params, *args, **kwargs):
+        # Eager on purpose (a plain function returning vLLM's async generator): the error is
+        # raised by the call, before a server has started a streamed 200 response.
+        check_sampling_params(self.vllm_config, sampling_params)
+        return original(self, prompt, sampling_params, *args, **kwargs)
+
+    setattr(generate, _SENTINEL, True)
+    AsyncLLM.generate = generate
