@@ -19,6 +19,10 @@ than transformers' 0 / 1, so that weight-loading bugs for them are visible.
 
 ``zero_output_layers`` zeroes ``self_attn.o_proj`` and ``mlp.down_proj`` of those layers, so the
 layers add nothing to the residual stream: skipping them is exact.
+
+``sliding_window`` (mistral, qwen2, qwen3) makes every layer attend to the last ``sliding_window``
+positions only: mistral's ``sliding_window``; for qwen2/qwen3 ``use_sliding_window=True`` with
+``max_window_layers=0`` (vLLM refuses a mix of windowed and full layers for them).
 """
 
 from __future__ import annotations
@@ -234,6 +238,7 @@ def _make_config(
     tie_word_embeddings: bool,
     dtype: str,
     token_ids: dict[str, int],
+    sliding_window: int | None = None,
 ):
     import transformers
 
@@ -253,18 +258,25 @@ def _make_config(
         pad_token_id=token_ids["pad"],
         dtype=dtype,
     )
+    # qwen2/qwen3: every layer windowed (max_window_layers=0) or none
+    qwen_window: dict[str, Any] = dict(use_sliding_window=False, sliding_window=None)
+    if sliding_window is not None:
+        qwen_window = dict(use_sliding_window=True, sliding_window=sliding_window,
+                           max_window_layers=0)
     if arch == "llama":
+        if sliding_window is not None:
+            raise ValueError("llama has no sliding window; use arch='mistral'")
         return transformers.LlamaConfig(head_dim=head_dim, **common)
     if arch == "mistral":
-        return transformers.MistralConfig(head_dim=head_dim, sliding_window=None, **common)
+        return transformers.MistralConfig(
+            head_dim=head_dim, sliding_window=sliding_window, **common
+        )
     if arch == "qwen2":
         if head_dim != hidden_size // num_heads:
             raise ValueError("qwen2 has no head_dim setting: head_dim must be hidden/heads")
-        return transformers.Qwen2Config(use_sliding_window=False, sliding_window=None, **common)
+        return transformers.Qwen2Config(**qwen_window, **common)
     if arch == "qwen3":
-        return transformers.Qwen3Config(
-            head_dim=head_dim, use_sliding_window=False, sliding_window=None, **common
-        )
+        return transformers.Qwen3Config(head_dim=head_dim, **qwen_window, **common)
     raise ValueError(f"unknown arch {arch!r}; expected one of {TINY_ARCHS}")
 
 
@@ -284,13 +296,16 @@ def build_tiny_model(
     head_dim: int | None = None,
     initializer_range: float = 0.2,
     tie_word_embeddings: bool = False,
+    sliding_window: int | None = None,
 ) -> Path:
     """Write a random-initialised causal LM + tokenizer into ``out_dir`` and return its path.
 
     ``vocab_size`` defaults to the tokenizer size rounded up to a multiple of 64 (576); a larger
     value just adds never-produced-by-the-tokenizer rows. ``zero_output_layers``: layer indices
     whose ``self_attn.o_proj`` and ``mlp.down_proj`` weights (and biases, if any) are zero, so that
-    skipping those layers is exact. Deterministic for fixed arguments.
+    skipping those layers is exact. ``sliding_window``: every layer attends to that many most
+    recent positions (not for llama); the weights are the same as without it. Deterministic for
+    fixed arguments.
     """
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
@@ -308,6 +323,8 @@ def build_tiny_model(
         )
     if num_heads % num_kv_heads:
         raise ValueError("num_heads must be a multiple of num_kv_heads")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
     zero_output_layers = sorted({int(i) for i in zero_output_layers})
     for i in zero_output_layers:
         if not 0 <= i < num_layers:
@@ -333,6 +350,7 @@ def build_tiny_model(
         initializer_range=initializer_range,
         tie_word_embeddings=tie_word_embeddings,
         dtype=dtype,
+        sliding_window=sliding_window,
         token_ids={
             "bos": tokenizer.bos_token_id,
             "eos": tokenizer.eos_token_id,
@@ -371,6 +389,7 @@ def build_tiny_model(
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
+    meta: dict[str, Any] = {"sliding_window": sliding_window} if sliding_window else {}
     (out / "tiny_model.json").write_text(
         json.dumps(
             {
@@ -387,6 +406,7 @@ def build_tiny_model(
                 "zero_output_layers": zero_output_layers,
                 "dtype": dtype,
                 "initializer_range": initializer_range,
+                **meta,
             },
             indent=1,
         )
