@@ -4,6 +4,14 @@ One plain engine computes the reference; then one selfspec engine per configurat
 sets, K in {1, 4, 8}, adaptive on and off) runs the same workloads: batch 8 and batch 1, prompts of
 different lengths, requests that end early (max_tokens, stop strings, stop token ids), prompts that
 run into max_model_len, and per-request draft caps mixed in one batch.
+
+The model has two layers with zero output projections (skipping them is exact). The default path
+(adaptive draft lengths) skips exactly those: every draft lands, so its cost model keeps drafting
+(with drafts that land only ~70% of the time it stops drafting on this model after a few requests,
+rightly: a tiny model's draft forward costs too much of a step), and its confidence exit fires on
+the random model's low-confidence tokens. The fixed configurations skip real sub-layers, so their
+drafts are also rejected. Every test asserts that drafts were verified during its own requests (a
+selfspec engine that drafts nothing would pass any identity check).
 """
 
 from __future__ import annotations
@@ -16,6 +24,8 @@ pytestmark = pytest.mark.engine
 
 MAX_MODEL_LEN = 192
 NUM_LAYERS = 8
+ZERO_LAYERS = [2, 5]  # o_proj / down_proj are zero: skipping these sub-layers is exact
+ADAPTIVE = "zero,k4,adaptive"
 
 CONFIGS = {
     "attn+mlp,k8,fixed": {
@@ -24,8 +34,13 @@ CONFIGS = {
         "num_speculative_tokens": 8,
         "adaptive": False,
     },
-    "attn,k4,adaptive": {"skip_attention": [2, 4, 6], "num_speculative_tokens": 4},
-    "attn,k1,fixed": {"skip_attention": [5], "num_speculative_tokens": 1, "adaptive": False},
+    # the default path: adaptive is on unless switched off
+    ADAPTIVE: {
+        "skip_attention": ZERO_LAYERS,
+        "skip_mlp": ZERO_LAYERS,
+        "num_speculative_tokens": 4,
+    },
+    "attn,k1,fixed": {"skip_attention": [4], "num_speculative_tokens": 1, "adaptive": False},
     "none,k4,fixed": {
         "skip_attention": [],
         "skip_mlp": [],
@@ -33,13 +48,17 @@ CONFIGS = {
         "adaptive": False,
     },
 }
+# configurations whose drafts are expected to land during any workload
+EXPECT_ACCEPTED = {ADAPTIVE, "none,k4,fixed"}
 
 
 @pytest.fixture(scope="module")
 def model_dir():
     from vllm_selfspec.testing.tiny_models import tiny_model_dir
 
-    return tiny_model_dir("e2e-llama", arch="llama", num_layers=NUM_LAYERS)
+    return tiny_model_dir(
+        "e2e-zero", arch="llama", num_layers=NUM_LAYERS, zero_output_layers=ZERO_LAYERS
+    )
 
 
 @pytest.fixture(scope="module")
@@ -119,33 +138,67 @@ def spec_engine(request, model_dir, reference):
         yield llm
 
 
+class Drafted:
+    """Asserts, for the requests run inside the block, that the engine drafted (vLLM verified
+    draft tokens) and, where the configuration's drafts are expected to land, that some were
+    accepted."""
+
+    def __init__(self, llm) -> None:
+        self.llm = llm
+
+    def __enter__(self) -> Drafted:
+        self.window = MetricsWindow(self.llm)
+        return self
+
+    def __exit__(self, exc_type, *_) -> None:
+        if exc_type is not None:
+            return
+        self.delta = d = self.window.delta()
+        assert d["num_draft_tokens"] > 0, f"{self.llm.config_name} drafted nothing: {d}"
+        if self.llm.config_name in EXPECT_ACCEPTED:
+            assert d["num_accepted_tokens"] > 0, f"{self.llm.config_name}: nothing accepted {d}"
+
+
 def test_batch8_identical(spec_engine, workloads, reference):
-    assert _run(spec_engine, workloads["batch8"]) == reference["batch8"]
+    with Drafted(spec_engine):
+        assert _run(spec_engine, workloads["batch8"]) == reference["batch8"]
 
 
 def test_batch1_identical(spec_engine, workloads, reference):
-    assert _run_one_by_one(spec_engine, workloads["batch8"]) == reference["batch1"]
+    with Drafted(spec_engine):
+        assert _run_one_by_one(spec_engine, workloads["batch8"]) == reference["batch1"]
 
 
 def test_early_stops_identical(spec_engine, workloads, reference):
-    tokens, reasons = _run(spec_engine, workloads["early"])
+    with Drafted(spec_engine):
+        tokens, reasons = _run(spec_engine, workloads["early"])
     assert (tokens, reasons) == reference["early"]
     assert "stop" in reasons  # the workload really exercises early stops
 
 
 def test_max_model_len_identical(spec_engine, workloads, reference):
-    tokens, reasons = _run(spec_engine, workloads["long"])
+    with Drafted(spec_engine):
+        tokens, reasons = _run(spec_engine, workloads["long"])
     assert (tokens, reasons) == reference["long"]
     assert reasons == ["length"] * len(reasons)
 
 
 def test_mixed_batch_identical(spec_engine, workloads, reference):
-    assert _run(spec_engine, workloads["mixed"]) == reference["mixed"]
+    with Drafted(spec_engine):
+        assert _run(spec_engine, workloads["mixed"]) == reference["mixed"]
 
 
 def test_per_request_draft_caps(spec_engine, workloads, reference):
     before = drafter_stats(spec_engine)[0]
-    assert _run(spec_engine, workloads["ragged"])[0] == reference["batch8"][0]
+    # a cap above the engine's k_max is refused when the request arrives: clip to this engine's
+    ragged = []
+    for prompt, params in workloads["ragged"]:
+        params = params.clone()
+        cap = params.extra_args["selfspec"]["num_speculative_tokens"]
+        params.extra_args = {"selfspec": {"num_speculative_tokens": min(cap, before["k_max"])}}
+        ragged.append((prompt, params))
+    with Drafted(spec_engine):
+        assert _run(spec_engine, ragged)[0] == reference["batch8"][0]
     after = drafter_stats(spec_engine)[0]
     if spec_engine.config_name.endswith("fixed") and after["k_max"] >= 4:
         # caps 1/4/8/0 in one batch: some steps carried drafts of different lengths
@@ -153,19 +206,47 @@ def test_per_request_draft_caps(spec_engine, workloads, reference):
 
 
 def test_acceptance(spec_engine, workloads):
-    window = MetricsWindow(spec_engine)
-    _run(spec_engine, workloads["batch8"])
+    with Drafted(spec_engine) as drafted:
+        _run(spec_engine, workloads["batch8"])
+    d = drafted.delta
+    acceptance = d["num_accepted_tokens"] / d["num_draft_tokens"]
     name = spec_engine.config_name
-    if name.startswith("none"):
-        # nothing skipped: the draft is the full model, every draft is accepted
-        assert window.acceptance() == 1.0
-    elif name.endswith("fixed"):
-        # a random skip set on a random model: the drafter really skips layers
-        assert window.acceptance() < 1.0
+    if name.startswith(("none", "zero")):
+        # nothing skipped, or only sub-layers that add exactly zero: every draft is accepted
+        assert acceptance == 1.0, d
+    else:
+        # the drafter really skips a real sub-layer: some drafts are rejected
+        assert acceptance < 1.0, d
+
+
+def test_confidence_exit(spec_engine, workloads, reference):
+    """Draft & Verify's draft-exiting: with adaptive drafting a draft round stops before its
+    budget when the draft's top-1 probability falls under the request's exit threshold; with it
+    off, never. Outputs stay identical either way.
+
+    The requests set their own threshold (0.95): the engine-wide one is calibrated down to 0 on
+    this model once its drafts are seen to always land, and then no longer fires."""
+    from vllm import SamplingParams
+
+    overridden = [
+        (p, SamplingParams(temperature=0.0, max_tokens=sp.max_tokens,
+                           extra_args={"selfspec": {"draft_confidence_threshold": 0.95}}))
+        for p, sp in workloads["batch8"]
+    ]
+    before = drafter_stats(spec_engine)[0]
+    with Drafted(spec_engine):
+        assert _run(spec_engine, overridden) == reference["batch8"]
+    after = drafter_stats(spec_engine)[0]
+    exits = after["confidence_exits"] - before["confidence_exits"]
+    if spec_engine.config_name == ADAPTIVE:
+        assert exits > 0, after
+    else:
+        assert exits == 0, after
 
 
 def test_drafts_never_pass_allocated_kv(spec_engine, workloads):
-    _run(spec_engine, workloads["mixed"])
+    with Drafted(spec_engine):
+        _run(spec_engine, workloads["mixed"])
     for stats in drafter_stats(spec_engine):
         assert stats["kv_overflow_clips"] == 0, stats
-        assert stats["draft_tokens"] > 0 or not spec_engine.config_name.endswith("fixed")
+        assert stats["draft_tokens"] > 0, stats

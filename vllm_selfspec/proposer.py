@@ -120,6 +120,8 @@ class SelfSpecProposer:
             "steps_with_ragged_drafts": 0,
             "kv_overflow_clips": 0,
             "max_model_len_clips": 0,
+            # rows whose draft stopped before its budget on the confidence exit (Draft & Verify)
+            "confidence_exits": 0,
         }
 
     # --- vLLM hooks -----------------------------------------------------------------------------
@@ -316,6 +318,8 @@ class SelfSpecProposer:
                 confidences[req_ids[row]].append(float(conf_np[i]))
                 if self.controller.should_stop(req_ids[row], float(conf_np[i])):
                     alive[local] = False
+                    if step + 1 < budgets[local]:
+                        self.counters["confidence_exits"] += 1
             tokens[active] = next_np
         self._draft_confidences = confidences
         if probs_buffer is not None:
