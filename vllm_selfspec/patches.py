@@ -23,7 +23,9 @@ behaviour of an engine that did not ask for ``"method": "selfspec"``.
 4. ``GPUModelRunner._input_fits_in_drafter`` (per runner instance, selfspec runners only): vLLM
    switches drafting off for the *whole batch* as soon as one request is within ``k`` tokens of
    ``max_model_len``. Our proposer clips each request's draft length itself, so it keeps drafting
-   for the others.
+   for the others. ``GPUModelRunner._bookkeeping_sync`` (same instance patch, CPU only): see
+   :func:`patch_runner_cpu_discarded_generators` (a seeded request with a chunked prefill
+   killed the engine core).
 5. ``StatLoggerManager.__init__`` (front-end process only; installed by
    :func:`vllm_selfspec.metrics.install` when a selfspec config is built, or at plugin load when
    vLLM's metrics loggers are already imported): appends the plugin's own Prometheus logger
@@ -234,6 +236,42 @@ def patch_runner_input_fits_in_drafter(runner: Any) -> None:
     setattr(_input_fits_in_drafter, _SENTINEL, True)
     _input_fits_in_drafter.__wrapped__ = original  # type: ignore[attr-defined]
     runner._input_fits_in_drafter = _input_fits_in_drafter
+
+
+def patch_runner_cpu_discarded_generators(runner: Any) -> None:
+    """Instance patch on one selfspec model runner on CPU (never on the class).
+
+    ``GPUModelRunner._bookkeeping_sync`` rewinds the generator of a seeded request whose sampled
+    token is discarded (a partial prefill) with ``gen.set_offset(gen.get_offset() - 4)``, a
+    CUDA Philox offset; a CPU ``torch.Generator`` raises ``CPU Generator does not use offset``
+    and the engine core dies (one request with a ``seed`` chunked in a busy selfspec step took a
+    whole OpenAI server down: the verification tokens fill the batch budget, so prefills are
+    chunked far more often than in plain decoding). The wrapper hides the discarded rows'
+    generators from that loop (their draws are not rewound: the sampled distribution is
+    unchanged, a seeded output may depend on how its prefill was chunked) and delegates.
+    """
+    from vllm.platforms import current_platform
+
+    original = getattr(runner, "_bookkeeping_sync", None)
+    if original is None or getattr(original, _SENTINEL, False) or not current_platform.is_cpu():
+        return
+
+    def _bookkeeping_sync(*args: Any, **kwargs: Any) -> Any:
+        generators = runner.input_batch.generators
+        num_reqs = runner.input_batch.num_reqs
+        hidden = {}
+        if generators:
+            for i in runner.discard_request_mask.np[:num_reqs].nonzero()[0]:
+                if int(i) in generators:
+                    hidden[int(i)] = generators.pop(int(i))
+        try:
+            return original(*args, **kwargs)
+        finally:
+            generators.update(hidden)
+
+    setattr(_bookkeeping_sync, _SENTINEL, True)
+    _bookkeeping_sync.__wrapped__ = original  # type: ignore[attr-defined]
+    runner._bookkeeping_sync = _bookkeeping_sync
 
 
 # --- 5. the plugin's own metrics (front end) --------------------------------------------------

@@ -27,7 +27,11 @@ import torch
 from vllm_selfspec.config import SelfSpecSettings
 from vllm_selfspec.controller import ControllerConfig, DraftLengthController
 from vllm_selfspec.errors import SelfSpecConfigError
-from vllm_selfspec.patches import ADDITIONAL_CONFIG_KEY, patch_runner_input_fits_in_drafter
+from vllm_selfspec.patches import (
+    ADDITIONAL_CONFIG_KEY,
+    patch_runner_cpu_discarded_generators,
+    patch_runner_input_fits_in_drafter,
+)
 from vllm_selfspec.skip_forward import LayerSkipForward
 from vllm_selfspec.step_costs import StepCostRecorder, StepCosts
 
@@ -79,6 +83,7 @@ class SelfSpecProposer:
 
         self.runner = _find_model_runner()
         patch_runner_input_fits_in_drafter(self.runner)
+        patch_runner_cpu_discarded_generators(self.runner)
         self.device = self.runner.device
         self.controller = DraftLengthController(
             ControllerConfig(
