@@ -63,6 +63,11 @@ ABORT_MAX_MODEL_LEN = 1024
 RSS_EXTRA_PER_BURST = 64 << 20
 # The burst of random and invalid requests (see test_fault_burst)
 FAULT_REQUESTS = 200
+# No request of the bursts carries a seed: on vLLM's CPU build a seeded request whose prefill is
+# chunked kills the engine core ("CPU Generator does not use offset", GPUModelRunner's rewind of a
+# discarded sample), plain engines included: the plain reference server died in one of four fault
+# bursts with seeds. Selfspec runners are patched (patches.patch_runner_cpu_discarded_generators);
+# plain vLLM is not ours to patch. Single seeded requests (SAMPLED_REQUESTS) are not chunked.
 
 
 # --- the requests -------------------------------------------------------------------------------
@@ -413,8 +418,7 @@ def load_requests(n: int = LOAD_REQUESTS, seed: int = 0) -> list[dict[str, Any]]
             kwargs["prompt"] = _token_prompt(n_prompt, offset=i * 13)
         if role == "sampled":
             kwargs.update(temperature=rng.choice([0.6, 0.9, 1.2]), top_p=0.95)
-            if rng.random() < 0.5:
-                kwargs["seed"] = i
+            rng.random()  # was: a seed for half of them (no seeds: see FAULT_REQUESTS)
         else:
             kwargs["temperature"] = 0.0
         disconnect_after = None
@@ -546,8 +550,7 @@ def fault_requests(n: int = FAULT_REQUESTS, seed: int = 1) -> list[dict[str, Any
             kw["stop"] = stop
         if temperature > 0:
             kw["n"] = rng.choice([1, 1, 2, 3, 4])
-            if rng.random() < 0.3:
-                kw["seed"] = i
+            rng.random()  # was: a seed for some of them (no seeds: see FAULT_REQUESTS)
         if kind == "cmpl":
             if rng.random() < 0.7:
                 n_prompt = rng.choice([1, 5, 20, 60, 120, 180])
