@@ -130,9 +130,13 @@ def test_tensor_parallel_ranks_agree(reference):
                distributed_executor_backend="mp") as llm,
     ):
         assert _greedy(llm) == reference
-        ranks = _online_stats(llm)
+        drafters = drafter_stats(llm)
+    ranks = [s["online"] for s in drafters]
     assert len(ranks) == 2
     assert ranks[0]["passes"] > 0
+    # both ranks drafted the same number of tokens in the same number of forwards
+    counts = [(s["draft_tokens"], s["draft_forwards"]) for s in drafters]
+    assert counts[0][0] > 0 and counts[0] == counts[1], counts
     keys = ("passes", "trace", "skip_attention", "skip_mlp", "budget", "state", "matchness",
             "steps", "candidates_scored", "score_interval")
     assert {k: ranks[0][k] for k in keys} == {k: ranks[1][k] for k in keys}
