@@ -1,10 +1,48 @@
 """Temperature > 0: selfspec output has the same token distribution as plain vLLM decoding.
 
-The tiny model has a 576-token vocabulary, so a few hundred samples per position give a two-sample
-chi-square test real power; the test first shows that power by telling T=1.0 from T=0.8 samples of
-the plain engine apart. Then probabilistic drafts (the default) and argmax drafts must both match
-plain decoding, and probabilistic drafts must be accepted more often. Greedy requests mixed into a
-sampled batch stay token-identical to plain greedy decoding.
+Setup: the 8-layer tiny llama (576-token vocabulary, fp32), one prompt, ``NUM_SAMPLES`` seeded
+requests of ``NEW_TOKENS`` tokens per sampling configuration, on plain vLLM and on selfspec with
+``num_speculative_tokens=4``, adaptive drafting off (every round drafts 4 tokens, so all four draft
+slots are verified in every round and the sequences span several verification rounds). Sampling
+configurations: temperature 0.3, 0.7 and 1.3, and at temperature 1.0 top-p 0.9 and top-k 20. vLLM
+0.32 refuses min-p with any speculative decoding (``VLLMValidationError``), so for min-p the test
+asserts that refusal instead. Each run asserts that drafts were verified and accepted at every
+draft slot.
+
+Test: for every configuration and every generated position, a two-sample chi-square test of
+homogeneity compares the token marginal of selfspec with plain vLLM (``tests/sampling_stats.py``;
+the ``MAX_CELLS`` most frequent tokens get a cell each, the others, and tokens with fewer than 10
+occurrences, share one cell). Losslessness makes the joint distribution of the sequences equal,
+hence every marginal. Family-wise false-alarm rate: ``ALPHA`` = 1e-3,
+Bonferroni over every equality test of the module (``NUM_EQUALITY_TESTS`` comparisons x
+``NEW_TOKENS`` positions), so each position is tested at ``ALPHA_PER_TEST``.
+
+Power: the alternative is a 5% mixture at one position, selfspec's marginal there being
+``0.95 p + 0.05 r`` with ``r`` a point mass on the 10th most likely token of ``p`` (a plausible
+but wrong token emitted 5% of the time; ``sampling_stats.point_mass_on_rank``).
+``test_sample_size_has_power`` computes, from the plain samples of every configuration and
+position, the power of the test at ``ALPHA_PER_TEST`` by the noncentral chi-square approximation
+(noncentrality ``n/2 * sum_k (p_k - q_k)^2 / m_k`` over the test's cells, see
+``sampling_stats.mixture_power``) and asserts it is at least 0.9 at every position of every
+configuration; ``test_power_formula_matches_simulation`` checks that approximation against
+simulated runs of the same test. Measured (one run, n = 3000): weakest power over the 12
+positions 0.995 (t0.3, position 3), 0.999 (t0.7, position 1), 0.999 (t1.3, position 0), 0.997
+(top-p, position 0), 0.993 (top-k, position 0); the approximation predicted 0.44 where 300
+simulated tests detected 0.50.
+
+The test is weak against alternatives spread thinly over many tokens: the marginals of positions
+after the second are nearly flat over ~400 tokens on this random model (the sequences' prefixes
+differ), and moving 5% of the mass from ``p[x]`` to ``p[x - 1]`` (an off-by-one token id) or to the
+uniform distribution there is caught with probability near 0 at this sample size; at positions 0-1
+of temperature 0.3 / top-k / min-p it is caught with probability near 1.
+
+Negative controls (must be detected, same sample size and per-position level): the selfspec engine
+runs a worker extension (``tests/sampling_faults.py``) that patches its drafter for one block of
+requests: (1) at temperature 0.7, drafts drawn at temperature 1.0 while the draft probabilities
+handed to the verifier are computed at 0.7; (2) at temperature 0.3, draft probabilities taken from
+the full model's distribution instead of the layer-skip distribution the draft was drawn from.
+Argmax drafts must also keep the distribution (and be accepted less often than sampled drafts),
+and greedy requests mixed into a sampled batch stay token-identical to plain greedy decoding.
 """
 
 from __future__ import annotations
@@ -12,15 +50,32 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.engine_utils import MetricsWindow, engine, token_ids
-from tests.sampling_stats import two_sample_p_value
+from tests.engine_utils import engine, spec_metrics, token_ids
+from tests.sampling_stats import mixture_power, point_mass_on_rank, position_p_values
 
 pytestmark = pytest.mark.engine
 
-NUM_SAMPLES = 800
-NEW_TOKENS = 5
-ALPHA = 1e-3  # family-wise false-alarm rate of the equality test
-SKIP = {"skip_attention": [3, 5], "skip_mlp": [6], "num_speculative_tokens": 4, "adaptive": False}
+NUM_SAMPLES = 3000
+NEW_TOKENS = 12
+K = 4
+VOCAB_SIZE = 576
+ALPHA = 1e-3  # family-wise false-alarm rate of the module's equality tests
+CONFIGS: dict[str, dict[str, float]] = {
+    "t0.3": {"temperature": 0.3},
+    "t0.7": {"temperature": 0.7},
+    "t1.3": {"temperature": 1.3},
+    "top_p": {"temperature": 1.0, "top_p": 0.9},
+    "top_k": {"temperature": 1.0, "top_k": 20},
+}
+ARGMAX_CONFIG = "t0.7"
+FAULTS = {"temperature": "t0.7", "full_model": "t0.3"}  # fault -> configuration it runs at
+NUM_EQUALITY_TESTS = len(CONFIGS) + 1  # probabilistic drafts per configuration, argmax drafts
+ALPHA_PER_TEST = ALPHA / (NUM_EQUALITY_TESTS * NEW_TOKENS)
+MIN_POWER = 0.9
+MAX_CELLS = 16
+WRONG_TOKEN_RANK = 9  # r: a point mass on the 10th most likely token
+SKIP = {"skip_attention": [3, 5], "skip_mlp": [6], "num_speculative_tokens": K, "adaptive": False}
+FAULT_EXTENSION = "tests.sampling_faults.SamplingFaultExtension"
 
 
 @pytest.fixture(scope="module")
@@ -37,90 +92,171 @@ def prompt():
     return TokensPrompt(prompt_token_ids=[5, 77, 301, 12, 96, 140, 33])
 
 
-def _params(temperature, seed_base, **kw):
+def _sample(llm, prompt, config: str, seed_base: int) -> np.ndarray:
     from vllm import SamplingParams
 
-    return [
-        SamplingParams(
-            temperature=temperature,
-            max_tokens=NEW_TOKENS,
-            seed=seed_base + i,
-            ignore_eos=True,
-            **kw,
-        )
+    params = [
+        SamplingParams(max_tokens=NEW_TOKENS, seed=seed_base + i, ignore_eos=True,
+                       **CONFIGS[config])
         for i in range(NUM_SAMPLES)
     ]
-
-
-def _sample(llm, prompt, temperature, seed_base, **kw):
-    params = _params(temperature, seed_base, **kw)
-    outputs = llm.generate([prompt] * len(params), params, use_tqdm=False)
+    outputs = llm.generate([prompt] * NUM_SAMPLES, params, use_tqdm=False)
     samples = np.array(token_ids(outputs))
     assert samples.shape == (NUM_SAMPLES, NEW_TOKENS)
     return samples
+
+
+def _sample_drafting(llm, prompt, config: str, seed_base: int) -> tuple[np.ndarray, dict]:
+    """Samples and the spec-decode counters of the block; asserts every draft slot was verified
+    and accepted at least once."""
+    from vllm_selfspec.spec_metrics import counter_delta
+
+    before = spec_metrics(llm)
+    samples = _sample(llm, prompt, config, seed_base)
+    counters = counter_delta(before, spec_metrics(llm))
+    assert counters["num_drafts"] > 0 and counters["num_draft_tokens"] > 0, counters
+    per_slot = counters["num_accepted_tokens_per_pos"]
+    assert len(per_slot) == K and min(per_slot) > 0, counters
+    return samples, counters
+
+
+def _acceptance(counters: dict) -> float:
+    return counters["num_accepted_tokens"] / counters["num_draft_tokens"]
 
 
 def _greedy_mix(llm, prompt):
     """Sampled and greedy requests in one batch; returns the greedy outputs."""
     from vllm import SamplingParams
 
-    params = _params(0.9, 10_000)[:24]
+    params = [
+        SamplingParams(temperature=0.9, max_tokens=24, seed=10_000 + i, ignore_eos=True)
+        for i in range(24)
+    ]
     greedy = SamplingParams(temperature=0.0, max_tokens=24)
     params[::3] = [greedy] * len(params[::3])
     outputs = llm.generate([prompt] * len(params), params, use_tqdm=False)
     return [list(outputs[i].outputs[0].token_ids) for i in range(0, len(params), 3)]
 
 
+def _min_p_error(llm, prompt) -> str:
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+
+    with pytest.raises(VLLMValidationError) as refused:
+        llm.generate([prompt], SamplingParams(temperature=1.0, min_p=0.1, max_tokens=4),
+                     use_tqdm=False)
+    return str(refused.value)
+
+
 @pytest.fixture(scope="module")
 def plain(model_dir, prompt):
     with engine(model_dir) as llm:
-        return {
-            "t1": _sample(llm, prompt, 1.0, 0),
-            "t1_topk": _sample(llm, prompt, 1.0, 0, top_k=20, top_p=0.9),
-            "t08": _sample(llm, prompt, 0.8, 0),
-            "greedy": _greedy_mix(llm, prompt),
-        }
+        result = {c: _sample(llm, prompt, c, 0) for c in CONFIGS}
+        result["greedy"] = _greedy_mix(llm, prompt)
+        return result
 
 
 @pytest.fixture(scope="module")
 def probabilistic(model_dir, prompt):
-    with engine(model_dir, {"method": "selfspec", **SKIP}) as llm:
-        window = MetricsWindow(llm)
-        result = {"t1": _sample(llm, prompt, 1.0, 50_000)}
-        result["acceptance"] = window.acceptance()
-        result["t1_topk"] = _sample(llm, prompt, 1.0, 60_000, top_k=20, top_p=0.9)
+    spec = {"method": "selfspec", **SKIP}
+    with engine(model_dir, spec, worker_extension_cls=FAULT_EXTENSION) as llm:
+        result: dict = {"samples": {}, "counters": {}, "faults": {}, "fault_hits": {}}
+        for i, config in enumerate(CONFIGS):
+            samples, counters = _sample_drafting(llm, prompt, config, 100_000 * (i + 1))
+            result["samples"][config] = samples
+            result["counters"][config] = counters
         result["greedy"] = _greedy_mix(llm, prompt)
+        result["min_p_error"] = _min_p_error(llm, prompt)
+        for i, (fault, config) in enumerate(FAULTS.items()):
+            assert llm.collective_rpc("sampling_fault_install", args=(fault,)) == [True]
+            try:
+                samples, _ = _sample_drafting(llm, prompt, config, 1_000_000 * (i + 1))
+            finally:
+                hits = llm.collective_rpc("sampling_fault_remove")
+            result["faults"][fault] = samples
+            result["fault_hits"][fault] = hits
         return result
 
 
 @pytest.fixture(scope="module")
 def argmax(model_dir, prompt):
     with engine(model_dir, {"method": "selfspec", **SKIP, "draft_sampling": "argmax"}) as llm:
-        window = MetricsWindow(llm)
-        result = {"t1": _sample(llm, prompt, 1.0, 70_000)}
-        result["acceptance"] = window.acceptance()
-        return result
+        samples, counters = _sample_drafting(llm, prompt, ARGMAX_CONFIG, 9_000_000)
+        return {"samples": samples, "counters": counters}
 
 
-def test_the_test_has_power(plain):
-    # Different temperatures must be told apart with this sample size.
-    assert two_sample_p_value(plain["t1"], plain["t08"]) < ALPHA
+def _min_p_value(a: np.ndarray, b: np.ndarray) -> float:
+    p_values = position_p_values(a, b, max_cells=MAX_CELLS)
+    print(f"per-position p-values: {np.array2string(p_values, precision=3)}")
+    return float(p_values.min())
 
 
-def test_probabilistic_drafts_keep_the_distribution(plain, probabilistic):
-    assert two_sample_p_value(plain["t1"], probabilistic["t1"]) > ALPHA
+def test_sample_size_has_power(plain):
+    worst = {}
+    for config in CONFIGS:
+        powers = [
+            mixture_power(
+                np.bincount(plain[config][:, t], minlength=VOCAB_SIZE) / NUM_SAMPLES,
+                NUM_SAMPLES, NUM_SAMPLES, ALPHA_PER_TEST,
+                alternative=point_mass_on_rank(WRONG_TOKEN_RANK), max_cells=MAX_CELLS,
+            )
+            for t in range(NEW_TOKENS)
+        ]
+        worst[config] = (min(powers), int(np.argmin(powers)))
+    print(f"weakest power (position) per configuration: {worst}")
+    assert min(power for power, _ in worst.values()) >= MIN_POWER, worst
 
 
-def test_probabilistic_drafts_with_top_k_top_p(plain, probabilistic):
-    assert two_sample_p_value(plain["t1_topk"], probabilistic["t1_topk"]) > ALPHA
+def test_power_formula_matches_simulation():
+    # The noncentral chi-square approximation against simulated runs of the same test, on a
+    # distribution shaped like the model's (a softmax of random logits), at a sample size where
+    # the power is in the informative middle.
+    rng = np.random.default_rng(0)
+    p = np.exp(1.5 * rng.standard_normal(VOCAB_SIZE))
+    p /= p.sum()
+    q = 0.95 * p + 0.05 * point_mass_on_rank(WRONG_TOKEN_RANK)(p)
+    n, alpha, runs = 1000, ALPHA_PER_TEST, 300
+    predicted = mixture_power(p, n, n, alpha, alternative=point_mass_on_rank(WRONG_TOKEN_RANK),
+                              max_cells=MAX_CELLS)
+    detected = np.mean([
+        position_p_values(rng.choice(VOCAB_SIZE, (n, 1), p=p),
+                          rng.choice(VOCAB_SIZE, (n, 1), p=q), max_cells=MAX_CELLS)[0] < alpha
+        for _ in range(runs)
+    ])
+    print(f"predicted power {predicted:.3f}, simulated {detected:.3f}")
+    assert 0.2 < predicted < 0.8
+    assert abs(detected - predicted) < 0.1
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_probabilistic_drafts_keep_the_distribution(plain, probabilistic, config):
+    p = _min_p_value(plain[config], probabilistic["samples"][config])
+    print(f"{config}: min p-value {p:.3g} (level {ALPHA_PER_TEST:.2g})")
+    assert p > ALPHA_PER_TEST
 
 
 def test_argmax_drafts_keep_the_distribution(plain, argmax):
-    assert two_sample_p_value(plain["t1"], argmax["t1"]) > ALPHA
+    p = _min_p_value(plain[ARGMAX_CONFIG], argmax["samples"])
+    print(f"argmax {ARGMAX_CONFIG}: min p-value {p:.3g}")
+    assert p > ALPHA_PER_TEST
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_injected_draft_probability_bug_is_detected(plain, probabilistic, fault):
+    hits = probabilistic["fault_hits"][fault]
+    assert hits and min(hits) > 0, hits  # the fault really replaced draft probabilities
+    p = _min_p_value(plain[FAULTS[fault]], probabilistic["faults"][fault])
+    print(f"fault {fault} at {FAULTS[fault]}: min p-value {p:.3g}")
+    assert p < ALPHA_PER_TEST
 
 
 def test_sampled_drafts_are_accepted_more_often(probabilistic, argmax):
-    assert 0.0 < argmax["acceptance"] < probabilistic["acceptance"]
+    sampled = _acceptance(probabilistic["counters"][ARGMAX_CONFIG])
+    assert 0.0 < _acceptance(argmax["counters"]) < sampled
+
+
+def test_min_p_is_refused_with_speculative_decoding(probabilistic):
+    assert "min_p" in probabilistic["min_p_error"]
 
 
 def test_greedy_rows_in_sampled_batches_are_identical(plain, probabilistic):
