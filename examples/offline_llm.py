@@ -50,9 +50,11 @@ def main() -> None:
         "Explain speculative decoding in one paragraph:",
     ]
     greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    # Per request: cap the draft length (0 switches drafting off for this request).
+    # Per request: cap the draft length (0 switches drafting off for this request; a cap above
+    # the engine's num_speculative_tokens is refused when the request arrives).
+    cap = min(2, args.num_speculative_tokens)
     capped = SamplingParams(temperature=0.7, max_tokens=args.max_tokens,
-                            extra_args={"selfspec": {"num_speculative_tokens": 2}})
+                            extra_args={"selfspec": {"num_speculative_tokens": cap}})
     outputs = llm.generate(prompts + prompts[:1], [greedy] * len(prompts) + [capped])
     for out in outputs:
         print(repr(out.prompt), "->", repr(out.outputs[0].text))
