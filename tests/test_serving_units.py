@@ -96,23 +96,22 @@ def test_stat_logger_only_for_selfspec_engines(model_dir):
 
 
 def test_flat_vllm_xargs_overrides():
-    from vllm_selfspec.controller import validate_request_overrides
-    from vllm_selfspec.proposer import _flat_overrides
+    from vllm_selfspec.controller import flat_overrides, validate_request_overrides
 
-    assert _flat_overrides({}) is None
-    assert _flat_overrides({"other": 1}) is None
-    got = _flat_overrides({"selfspec_num_speculative_tokens": 0, "x": 1})
+    assert flat_overrides({}) is None
+    assert flat_overrides({"other": 1}) is None
+    got = flat_overrides({"selfspec_num_speculative_tokens": 0, "x": 1})
     assert validate_request_overrides(got, k_max=4) == {"num_speculative_tokens": 0}
     # JSON true arrives as 1 through vllm_xargs' str | int | float values
-    got = _flat_overrides({"selfspec_adaptive": 1, "selfspec_num_speculative_tokens": 2.0})
+    got = flat_overrides({"selfspec_adaptive": 1, "selfspec_num_speculative_tokens": 2.0})
     assert validate_request_overrides(got, k_max=4) == {"adaptive": True,
                                                         "num_speculative_tokens": 2}
-    got = _flat_overrides({"selfspec_adaptive": "false",
+    got = flat_overrides({"selfspec_adaptive": "false",
                            "selfspec_draft_confidence_threshold": 0.25})
     assert validate_request_overrides(got, k_max=4) == {"adaptive": False,
                                                         "draft_confidence_threshold": 0.25}
     with pytest.raises(ValueError, match="unknown selfspec override key 'bogus'"):
-        validate_request_overrides(_flat_overrides({"selfspec_bogus": 1}), k_max=4)
+        validate_request_overrides(flat_overrides({"selfspec_bogus": 1}), k_max=4)
 
 
 @pytest.fixture(scope="module")

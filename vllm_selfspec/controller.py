@@ -101,6 +101,33 @@ _OVERRIDE_KEYS = ("num_speculative_tokens", "adaptive", "draft_confidence_thresh
 MAX_THRESHOLD = 0.999
 
 
+OVERRIDES_KEY = "selfspec"  # SamplingParams.extra_args[OVERRIDES_KEY]: the nested overrides
+FLAT_PREFIX = "selfspec_"  # or flat extra_args entries (the OpenAI server's vllm_xargs)
+
+
+def flat_overrides(extra: dict[str, Any]) -> dict[str, Any] | None:
+    """Per-request overrides given as flat ``selfspec_<key>`` entries of ``extra_args``.
+
+    The OpenAI server fills ``extra_args`` from the request's ``vllm_xargs``, whose values can only
+    be strings, numbers or lists (no nested dict, and JSON ``true`` arrives as ``1``), so
+    ``{"vllm_xargs": {"selfspec_num_speculative_tokens": 0}}`` is how an API client caps drafting.
+    """
+    flat = {k[len(FLAT_PREFIX) :]: v for k, v in extra.items() if k.startswith(FLAT_PREFIX)}
+    if not flat:
+        return None
+    adaptive = flat.get("adaptive")
+    if isinstance(adaptive, str) and adaptive.lower() in ("true", "false", "1", "0"):
+        flat["adaptive"] = adaptive.lower() in ("true", "1")
+    elif isinstance(adaptive, int) and not isinstance(adaptive, bool) and adaptive in (0, 1):
+        flat["adaptive"] = bool(adaptive)
+    k = flat.get("num_speculative_tokens")
+    if isinstance(k, float) and k.is_integer():
+        flat["num_speculative_tokens"] = int(k)
+    elif isinstance(k, str) and k.strip().isdigit():
+        flat["num_speculative_tokens"] = int(k)
+    return flat
+
+
 def validate_request_overrides(
     overrides: Mapping[str, Any] | None, k_max: int | None = None
 ) -> dict[str, Any]:

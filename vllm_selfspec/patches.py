@@ -318,7 +318,6 @@ def _patch_cpu_empty_top_k_only() -> None:
 
 # --- 7. per-request overrides refused when the request arrives (front end) ----------------------
 
-OVERRIDES_KEY = "selfspec"  # SamplingParams.extra_args[OVERRIDES_KEY]: the nested overrides
 
 
 @functools.cache
@@ -353,16 +352,20 @@ def check_request_overrides(extra_args: Mapping[str, Any] | None, k_max: int) ->
     reason. Reads the overrides as the drafter does (nested dict first, else flat entries)."""
     if not extra_args:
         return
-    from vllm_selfspec.controller import validate_request_overrides
-    from vllm_selfspec.proposer import _FLAT_PREFIX, _flat_overrides
+    from vllm_selfspec.controller import (
+        FLAT_PREFIX,
+        OVERRIDES_KEY,
+        flat_overrides,
+        validate_request_overrides,
+    )
 
     error = request_error_type()
     nested = extra_args.get(OVERRIDES_KEY)
-    flat_keys = sorted(k for k in extra_args if isinstance(k, str) and k.startswith(_FLAT_PREFIX))
+    flat_keys = sorted(k for k in extra_args if isinstance(k, str) and k.startswith(FLAT_PREFIX))
     if nested is not None and flat_keys:
         raise error(
             f"per-request selfspec overrides: give either {OVERRIDES_KEY!r} (a dict) or flat "
-            f"{_FLAT_PREFIX}<key> entries, not both (got {OVERRIDES_KEY!r} and {flat_keys[0]!r})",
+            f"{FLAT_PREFIX}<key> entries, not both (got {OVERRIDES_KEY!r} and {flat_keys[0]!r})",
             parameter=OVERRIDES_KEY,
         )
     if nested is not None:
@@ -374,8 +377,8 @@ def check_request_overrides(extra_args: Mapping[str, Any] | None, k_max: int) ->
             )
         items = [(f"{OVERRIDES_KEY}.{key}", key, value) for key, value in nested.items()]
     else:
-        flat = _flat_overrides(dict(extra_args)) or {}
-        items = [(_FLAT_PREFIX + key, key, value) for key, value in flat.items()]
+        flat = flat_overrides(dict(extra_args)) or {}
+        items = [(FLAT_PREFIX + key, key, value) for key, value in flat.items()]
     for name, key, value in items:
         try:
             validate_request_overrides({key: value}, k_max=k_max)

@@ -208,14 +208,18 @@ class SelfSpecProposer:
         return total
 
     def _request_overrides(self, req_id: str) -> dict[str, Any] | None:
-        from vllm_selfspec.controller import validate_request_overrides
+        from vllm_selfspec.controller import (
+            OVERRIDES_KEY,
+            flat_overrides,
+            validate_request_overrides,
+        )
 
         state = self.runner.requests.get(req_id)
         params = getattr(state, "sampling_params", None)
         extra = getattr(params, "extra_args", None) or {}
-        raw = extra.get("selfspec")
+        raw = extra.get(OVERRIDES_KEY)
         if raw is None:
-            raw = _flat_overrides(extra)
+            raw = flat_overrides(extra)
             if raw is None:
                 return None
         try:
@@ -536,32 +540,6 @@ class SelfSpecProposer:
             "k_max": self.k_max,
             "online": self.online.stats() if self.online is not None else None,
         }
-
-
-_FLAT_PREFIX = "selfspec_"
-
-
-def _flat_overrides(extra: dict[str, Any]) -> dict[str, Any] | None:
-    """Per-request overrides given as flat ``selfspec_<key>`` entries of ``extra_args``.
-
-    The OpenAI server fills ``extra_args`` from the request's ``vllm_xargs``, whose values can only
-    be strings, numbers or lists (no nested dict, and JSON ``true`` arrives as ``1``), so
-    ``{"vllm_xargs": {"selfspec_num_speculative_tokens": 0}}`` is how an API client caps drafting.
-    """
-    flat = {k[len(_FLAT_PREFIX) :]: v for k, v in extra.items() if k.startswith(_FLAT_PREFIX)}
-    if not flat:
-        return None
-    adaptive = flat.get("adaptive")
-    if isinstance(adaptive, str) and adaptive.lower() in ("true", "false", "1", "0"):
-        flat["adaptive"] = adaptive.lower() in ("true", "1")
-    elif isinstance(adaptive, int) and not isinstance(adaptive, bool) and adaptive in (0, 1):
-        flat["adaptive"] = bool(adaptive)
-    k = flat.get("num_speculative_tokens")
-    if isinstance(k, float) and k.is_integer():
-        flat["num_speculative_tokens"] = int(k)
-    elif isinstance(k, str) and k.strip().isdigit():
-        flat["num_speculative_tokens"] = int(k)
-    return flat
 
 
 def _fmt(value: Any) -> str:
