@@ -561,3 +561,27 @@ def test_new_batch_size_ramps_up_its_drafts() -> None:
     ctl.set_step_costs(StepCosts(verify={**base, (8, 2.0): 1.0}, draft={1: 0.05, 8: 0.05}))
     assert ctl.plan(ids) == [4] * 8
     assert make(k_max=4).plan(["fresh"])[0] >= 2  # nothing measured at all: no ramp
+
+
+def test_restart_acceptance_after_the_draft_changed() -> None:
+    # a poor draft switched every request off with a low engine-wide prior; probes of four off
+    # requests, priced at the prior draft cost, come every 200 steps: longer than most requests
+    ctl = make(k_max=4)
+    ids = ["a", "b", "c", "d"]
+    ctl.plan(ids)
+    for rid, acc in zip(ids, [1, 1, 0, 0], strict=True):
+        ctl.observe_verification(rid, drafted=1, accepted=acc, confidences=[0.5])
+    ctl.set_step_costs(StepCosts(verify={(4, 0.0): 0.4}))
+    assert ctl._min_probe_interval(4, 4) > 96
+    assert all(ctl.plan(ids) == [0] * 4 for _ in range(96))
+    assert ctl.plan(["new"]) == [0]  # a new request starts from the engine-wide prior: off
+    # the online search switched to a set it measured at matchness 1.0: everything restarts
+    ctl.restart_acceptance(1.0)
+    assert ctl.engine_acceptance() == pytest.approx(1.0)
+    assert all(k > 0 for k in ctl.plan(ids + ["new"]))
+    assert ctl.stats()["exit_threshold_floor"] == 1.0  # the old calibration is forgotten
+    # a set measured poor is not drafted with; no estimate falls back to the optimistic prior
+    ctl.restart_acceptance(0.05)
+    assert ctl.plan(["x"]) == [0]
+    ctl.restart_acceptance(None)
+    assert ctl.engine_acceptance() == pytest.approx(ctl.config.prior_acceptance)

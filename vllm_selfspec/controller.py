@@ -316,6 +316,29 @@ class DraftLengthController:
         for req_id in [r for r in self._states if r not in keep]:
             del self._states[req_id]
 
+    def restart_acceptance(self, estimate: float | None = None) -> None:
+        """The draft changed (online layer selection switched the skip set), so everything
+        learnt about acceptance describes the old one. The engine-wide estimate restarts from
+        ``estimate`` (the new set's measured matchness; ``prior_acceptance`` when None) behind
+        ``prior_weight`` pseudo-trials, the draft-exit calibration is forgotten, and every active
+        request restarts from that estimate with drafting on and the probe back-off reset.
+
+        Without this, a poor starting set switched every request off with a low engine-wide
+        prior that nothing updated any more (no drafts, so no verifications, and probes spaced
+        for their cost are rarer than short requests are long): the set the search found was
+        never drafted with (a tiny model: 1 drafting step in 352, after converging to an exact
+        set)."""
+        cfg = self.config
+        a = cfg.prior_acceptance if estimate is None else min(max(float(estimate), 0.0), 1.0)
+        self._engine_acc, self._engine_try = a * cfg.prior_weight, cfg.prior_weight
+        self._inherited_interval = cfg.probe_interval
+        self._cal_try[:] = 0.0
+        self._cal_acc[:] = 0.0
+        self._exit_floor = 1.0
+        for st in self._states.values():
+            st.acc_count, st.try_count, st.m = a * cfg.prior_weight, cfg.prior_weight, 0.0
+            st.off, st.off_steps, st.interval, st.probing = False, 0, cfg.probe_interval, False
+
     def observe_verification(self, req_id: str, drafted: int, accepted: int,
                              confidences: Iterable[float] | None = None) -> None:
         """Record that ``accepted`` of ``drafted`` drafts of ``req_id`` passed verification.

@@ -317,6 +317,9 @@ class OnlineSelector:
         p.skip_mlp = frozenset(cand.mlp)
         self.counters["switches"] += 1
         assert self.search is not None
+        # the acceptance the controller learnt was the old set's: restart it from the new set's
+        # matchness on the traffic (the same on every tensor-parallel rank: the search is)
+        p.controller.restart_acceptance(self.search.matchness(cand))
         self.trace.append(
             {
                 "engine_step": self._engine_steps,
