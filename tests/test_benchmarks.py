@@ -189,6 +189,41 @@ def test_dry_run_prints_json(capsys):
             "hf early exit"} <= set(methods)
 
 
+def test_second_model_suite_compile_and_model_choice(capsys):
+    assert run.main(["--suite", "cpu-qwen-coder", "--compile", "--dry-run"]) == 0
+    p = json.loads(capsys.readouterr().out)
+    assert p["suite"] == "cpu-qwen-coder" and p["compile"] is True
+    assert {g["model"] for g in p["groups"]} == {"qwen2.5-coder-0.5b"}
+    online = [m for g in p["groups"] for m in g["methods"] if m["name"] == "selfspec online"]
+    assert online and online[0]["online_cold_start"]
+    assert online[0]["spec"]["layer_selection"] == "online"
+    # --model swaps a model-agnostic suite's model and names its results after it
+    suite = run.configure(run.parse_args(["--suite", "cpu-smollm2", "--model",
+                                          "qwen2.5-coder-0.5b"]))
+    assert suite.name == "cpu-smollm2-qwen2.5-coder-0.5b" and not suite.compile
+    assert {g.model for g in suite.groups} == {"qwen2.5-coder-0.5b"}
+    with pytest.raises(SystemExit, match="skip sets are SmolLM2's"):
+        run.configure(run.parse_args(["--suite", "no-harm", "--model", "qwen2.5-coder-0.5b"]))
+    with pytest.raises(SystemExit):
+        run.parse_args(["--suite", "cpu-smollm2", "--model", "nope"])
+
+
+def test_cold_start_spec_and_early_exit_layers():
+    from vllm_selfspec.config import default_skip_set
+    from vllm_selfspec.testing import tiny_model_dir
+
+    model = str(tiny_model_dir("bench-smoke", num_layers=4, hidden_size=128))
+    groups = run._real_model_groups("tiny", online=True)
+    methods = {m.name: m for g in groups for m in g.methods}
+    spec = run.engine_spec(methods["selfspec online"], model, "tiny")
+    attention, mlp = default_skip_set(4)
+    assert spec["skip_attention"] == list(attention) and spec["skip_mlp"] == list(mlp)
+    assert "skip_attention" not in methods["selfspec online"].spec  # the method is not mutated
+    assert "skip_attention" not in run.engine_spec(methods["selfspec"], model, "tiny")
+    assert run.hf_exit_layers(methods["hf early exit"], model) == 2
+    assert run.hf_exit_layers(methods["hf generate"], model) is None
+
+
 # ----------------------------------------------------------------------------- GPU cost script
 
 def test_gpu_script_dry_run_tiny(tmp_path):

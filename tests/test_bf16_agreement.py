@@ -139,3 +139,31 @@ def test_merge_of_runs_done_per_dtype():
     other["plan"]["max_tokens"] += 1
     with pytest.raises(ValueError, match="max_tokens"):
         bf.merge([bf16, other])
+
+
+def test_merge_of_runs_with_their_own_plain_reference():
+    """Two runs of the same dtype (e.g. a later run adding methods) each compare with their own
+    plain decoding, and rows both runs hold name the later run."""
+    args = bf.parse_args(["--dtypes", "bfloat16", "--prompts", "2"])
+
+    def doc(runs: list[dict], start: str) -> dict:
+        return {"plan": bf.plan(args), "runs": runs, "engines": [], "partial": False,
+                "started_utc": start, "finished_utc": start, "duration_s": 1.0,
+                "datasets_per_prompt": ["humaneval", "mtbench"]}
+
+    def run(batch: int, method: str, outputs: list[list[int]]) -> dict:
+        return {"dtype": "bfloat16", "batch": batch, "method": method, "outputs": outputs}
+
+    first = doc([run(1, "plain", [[1], [2]]), run(8, "plain", [[1], [2]]),
+                 run(1, "selfspec fixed k", [[1], [2]])], "a")
+    # the second run's plain differs from the first's at prompt 2; its ngram equals its own plain
+    second = doc([run(1, "plain", [[1], [5]]), run(8, "plain", [[1], [5]]),
+                  run(1, "ngram", [[1], [5]])], "b")
+    rows = bf.merge([first, second])["summary"]
+    by = {(r["batch"], r["method"]): r for r in rows}
+    assert by[(1, "ngram")]["identical"] == 2 and by[(1, "ngram")]["source"] == 1
+    own = by[(1, "selfspec fixed k")]
+    assert own["identical"] == 2 and "source" not in own
+    assert by[(8, "plain vs plain B=1")]["identical"] == 2
+    assert by[(8, "plain vs plain B=1 (run 2)")]["identical"] == 2
+    assert len(rows) == 4

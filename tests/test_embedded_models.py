@@ -2,7 +2,8 @@
 
 No network and no conversion here: the wheels are small fakes with the real layout
 (``pkg/data/partNN.bin``). The real download and conversion of Qwen2.5-Coder-0.5B (~0.5 GB) is the
-opt-in ``test_qwen25_coder_dir`` (``VLLM_SELFSPEC_SLOW=1``).
+opt-in ``test_qwen25_coder_dir``, and its greedy identity through vLLM with the shipped profile
+the opt-in ``test_qwen25_coder_greedy_identical_with_its_profile`` (both ``VLLM_SELFSPEC_SLOW=1``).
 """
 
 from __future__ import annotations
@@ -60,6 +61,17 @@ def test_embedded_models_by_name(tmp_path):
     assert assets.embedded_model_dir("qwen2.5-coder-0.5b", tmp_path) == done
 
 
+def test_model_folder_takes_a_name_or_a_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_SELFSPEC_CACHE", str(tmp_path))
+    done = tmp_path / "models" / assets.QWEN25_CODER_DIRNAME
+    done.mkdir(parents=True)
+    (done / ".complete").write_text("x\n")
+    assert assets.model_folder("qwen2.5-coder-0.5b") == done
+    assert assets.model_folder(tmp_path) == tmp_path
+    with pytest.raises(ValueError, match="neither a folder nor an embedded model"):
+        assets.model_folder(tmp_path / "missing")
+
+
 @pytest.mark.skipif(not os.environ.get("VLLM_SELFSPEC_SLOW"),
                     reason="downloads and converts ~0.5 GB: set VLLM_SELFSPEC_SLOW=1")
 def test_qwen25_coder_dir():
@@ -79,3 +91,29 @@ def test_qwen25_coder_dir():
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=48, do_sample=False)
     assert "def " in tok.decode(out[0][ids.shape[1]:])
+
+
+@pytest.mark.engine
+@pytest.mark.skipif(not os.environ.get("VLLM_SELFSPEC_SLOW"),
+                    reason="a real 0.5B model in two vLLM engines: set VLLM_SELFSPEC_SLOW=1")
+def test_qwen25_coder_greedy_identical_with_its_profile():
+    """The real model's greedy outputs through selfspec (its shipped profile, drafting every
+    step: adaptive off) equal plain vLLM's token for token, with drafts verified and accepted."""
+    from vllm import SamplingParams
+
+    from tests.engine_utils import MetricsWindow, engine, token_ids
+
+    path = assets.qwen25_coder_dir()
+    texts = assets.load_prompts("humaneval", 3) + assets.load_prompts("mtbench", 3)
+    prompts = assets.chat_prompts(str(path), texts)
+    params = SamplingParams(temperature=0.0, max_tokens=48)
+    kw = {"max_model_len": 1024, "kv_cache_memory_bytes": 1 << 28}
+    with engine(path, **kw) as llm:
+        plain = token_ids(llm.generate(prompts, params, use_tqdm=False))
+    spec = {"method": "selfspec", "profile": "qwen2.5-coder-0.5b-instruct", "adaptive": False}
+    with engine(path, spec, **kw) as llm:
+        window = MetricsWindow(llm)
+        drafted = token_ids(llm.generate(prompts, params, use_tqdm=False))
+        counts = window.delta()
+    assert counts["num_draft_tokens"] > 0 and counts["num_accepted_tokens"] > 0, counts
+    assert drafted == plain

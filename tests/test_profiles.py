@@ -32,7 +32,7 @@ PUBLISHED = {
     "llama-2-70b.draft-verify",
     "llama-2-70b.swift-cnndm",
 }
-SEARCHED = {"smollm2-135m-instruct"}  # found by selfspec-profile
+SEARCHED = {"smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"}  # found by selfspec-profile
 EXPECTED_SHIPPED = PUBLISHED | SEARCHED
 
 

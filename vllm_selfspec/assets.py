@@ -225,6 +225,20 @@ def embedded_model_dir(name: str, cache_dir: str | os.PathLike | None = None) ->
     return make(cache_dir)
 
 
+def model_folder(name_or_path: str | os.PathLike) -> Path:
+    """A model given by the user: an embedded model's name (its cached folder, built on first
+    use) or a Hugging Face model folder, which must exist."""
+    path = Path(name_or_path).expanduser()
+    if str(name_or_path) in EMBEDDED_MODELS and not path.exists():
+        return embedded_model_dir(str(name_or_path))
+    if not path.is_dir():
+        raise ValueError(
+            f"model {str(name_or_path)!r} is neither a folder nor an embedded model "
+            f"({', '.join(sorted(EMBEDDED_MODELS))})"
+        )
+    return path
+
+
 def _cached_model(final: Path, build, *, label: str, name: str) -> Path:
     if (final / ".complete").is_file():
         return final

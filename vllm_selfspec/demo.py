@@ -1,6 +1,7 @@
 """The main demo: plain vLLM decoding vs selfspec on the embedded model, side by side.
 
     python -m vllm_selfspec.demo    # SmolLM2-135M-Instruct, real MT-bench + HumanEval prompts
+    python -m vllm_selfspec.demo --model qwen2.5-coder-0.5b    # the larger embedded model
 
 It runs the same greedy requests through a plain vLLM engine and a selfspec engine of the same
 model (fp32, so greedy outputs are comparable token for token), then prints tokens/s of both, the
@@ -91,7 +92,12 @@ def run_engine(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", help="HF model folder (default: the embedded SmolLM2-135M)")
+    parser.add_argument(
+        "--model",
+        default="smollm2-135m",
+        help="an embedded model (smollm2-135m, qwen2.5-coder-0.5b: downloaded and converted on "
+        "first use) or a Hugging Face model folder (default: smollm2-135m)",
+    )
     parser.add_argument(
         "--speculative-config",
         default='{"method": "selfspec", "num_speculative_tokens": 4}',
@@ -126,7 +132,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from vllm_selfspec import assets
 
-    model = args.model or str(assets.smollm2_dir())
+    try:
+        model = str(assets.model_folder(args.model))
+    except ValueError as e:
+        parser.error(str(e))
     spec = json.loads(args.speculative_config)
     if args.insert_zero_layers:
         model, zero = _with_zero_layers(model, args.insert_zero_layers)

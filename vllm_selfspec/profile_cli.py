@@ -320,8 +320,8 @@ def _resolve_embedded_model(args: argparse.Namespace) -> None:
 
     for attr in ("model_dir", "model"):
         value = getattr(args, attr, None)
-        if value in assets.EMBEDDED_MODELS and not Path(value).exists():
-            setattr(args, attr, str(assets.embedded_model_dir(value)))
+        if value in assets.EMBEDDED_MODELS:
+            setattr(args, attr, str(assets.model_folder(value)))
 
 
 def main(argv: list[str] | None = None) -> int:
