@@ -6,12 +6,14 @@ different lengths, requests that end early (max_tokens, stop strings, stop token
 run into max_model_len, and per-request draft caps mixed in one batch.
 
 The model has two layers with zero output projections (skipping them is exact). The default path
-(adaptive draft lengths) skips exactly those: every draft lands, so its cost model keeps drafting
-(with drafts that land only ~70% of the time it stops drafting on this model after a few requests,
-rightly: a tiny model's draft forward costs too much of a step), and its confidence exit fires on
-the random model's low-confidence tokens. The fixed configurations skip real sub-layers, so their
-drafts are also rejected. Every test asserts that drafts were verified during its own requests (a
-selfspec engine that drafts nothing would pass any identity check).
+(adaptive draft lengths) skips exactly those: every draft lands, and its confidence exit fires on
+the random model's low-confidence tokens. Its engine plans with pinned step costs
+(``pin_step_costs``: a draft forward 0.3 plain steps): whether measured costs make drafting pay on a
+tiny model follows the machine's timings (a CI run once drafted nothing for one test's requests
+after five tests of drafting), and these tests are about what the path does when it drafts. The
+fixed configurations skip real sub-layers, so their drafts are also rejected. Every test asserts
+that drafts were verified during its own requests (a selfspec engine that drafts nothing would pass
+any identity check).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import pytest
 
 from tests.engine_utils import MetricsWindow, drafter_stats, engine, token_ids
+from tests.pinned_costs import PINNED_COSTS_EXTENSION, pin_step_costs
 
 pytestmark = pytest.mark.engine
 
@@ -133,8 +136,11 @@ def reference(model_dir, workloads):
 @pytest.fixture(scope="module", params=list(CONFIGS), ids=list(CONFIGS))
 def spec_engine(request, model_dir, reference):
     config = {"method": "selfspec", **CONFIGS[request.param]}
-    with engine(model_dir, config, max_model_len=MAX_MODEL_LEN) as llm:
+    with engine(model_dir, config, max_model_len=MAX_MODEL_LEN,
+                worker_extension_cls=PINNED_COSTS_EXTENSION) as llm:
         llm.config_name = request.param
+        if request.param == ADAPTIVE:
+            pin_step_costs(llm)
         yield llm
 
 

@@ -36,5 +36,5 @@ def test_confirm_zero_output_layers_accepts_everything() -> None:
     assert exact["identical_outputs"] == len(prompts)
     assert exact["identical_outputs_adaptive"] == len(prompts)
     assert exact["identical_outputs_off"] == len(prompts)
-    assert exact["off_tokens_per_s"] > 0 and 0 < exact["vllm_draft_cost_ratio"] < 2
+    assert exact["off_tokens_per_s"] > 0 and 0 < exact["vllm_draft_cost_ratio"] < 5
     assert report["plain_tokens_per_s"] > 0 and exact["adaptive_tokens_per_s"] > 0

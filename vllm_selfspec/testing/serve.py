@@ -88,13 +88,13 @@ class ApiServer:
         except (OSError, urllib.error.URLError):
             return False
 
-    def metrics_text(self) -> str:
-        status, text = self.get("/metrics")
+    def metrics_text(self, timeout: float = 10.0) -> str:
+        status, text = self.get("/metrics", timeout=timeout)
         assert status == 200, text[:500]
         return text
 
-    def metrics(self) -> dict[str, list[tuple[dict[str, str], float]]]:
-        return parse_metrics(self.metrics_text())
+    def metrics(self, timeout: float = 10.0) -> dict[str, list[tuple[dict[str, str], float]]]:
+        return parse_metrics(self.metrics_text(timeout))
 
     def log_tail(self, n: int = 60) -> str:
         try:
