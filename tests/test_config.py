@@ -47,7 +47,8 @@ def _profile_file(tmp_path: Path, name: str = "smol", **kw: Any) -> Path:
 
 def test_draft_keys_are_the_tunable_selfspec_keys() -> None:
     online = {"layer_selection", "online_search", "online_profile_out"}
-    tunables = SELFSPEC_KEYS - {"skip_attention", "skip_mlp", "profile"} - online
+    serving = {"drafter"}  # how the engine drafts, not a property of the skip set
+    tunables = SELFSPEC_KEYS - {"skip_attention", "skip_mlp", "profile"} - online - serving
     assert DRAFT_KEYS == tunables | {"num_speculative_tokens"}
 
 
@@ -391,6 +392,7 @@ def test_settings_round_trip_through_json() -> None:
         "layer_selection",
         "online_search",
         "online_profile_out",
+        "drafter",
     }
 
 
@@ -435,3 +437,28 @@ def test_import_is_light() -> None:
     )
     root = Path(__file__).resolve().parents[1]
     subprocess.run([sys.executable, "-c", code], check=True, cwd=root)
+
+
+def test_device_drafter_defaults_to_fixed_k_and_a_static_set() -> None:
+    s = resolve_settings({"drafter": "device"}, SMOL, 6)
+    assert (s.drafter, s.adaptive, s.layer_selection) == ("device", False, "static")
+    host = resolve_settings({}, SMOL, 6)
+    assert host.drafter == "host" and host.adaptive is True
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        ({"adaptive": True}, "does not support adaptive"),
+        ({"layer_selection": "online"}, "does not support layer_selection"),
+        ({"skip_attention": list(range(30)), "skip_mlp": [1]}, "at least one attention"),
+    ],
+)
+def test_device_drafter_refuses_what_it_lacks(extra: dict, match: str) -> None:
+    with pytest.raises(SelfSpecConfigError, match=match):
+        resolve_settings({"drafter": "device", **extra}, SMOL, 6)
+
+
+def test_drafter_value_is_checked() -> None:
+    with pytest.raises(SelfSpecConfigError, match="drafter must be 'host' or 'device'"):
+        resolve_settings({"drafter": "gpu"}, SMOL, 6)

@@ -69,7 +69,10 @@ CONFIGS: dict[str, dict[str, float]] = {
 }
 ARGMAX_CONFIG = "t0.7"
 FAULTS = {"temperature": "t0.7", "full_model": "t0.3"}  # fault -> configuration it runs at
-NUM_EQUALITY_TESTS = len(CONFIGS) + 1  # probabilistic drafts per configuration, argmax drafts
+# the device drafter (vLLM's draft-model machinery, "drafter": "device") at these configurations
+DEVICE_CONFIGS = ("t0.7", "top_p")
+# probabilistic drafts per configuration, argmax drafts, the device drafter's configurations
+NUM_EQUALITY_TESTS = len(CONFIGS) + 1 + len(DEVICE_CONFIGS)
 ALPHA_PER_TEST = ALPHA / (NUM_EQUALITY_TESTS * NEW_TOKENS)
 MIN_POWER = 0.9
 MAX_CELLS = 16
@@ -185,6 +188,15 @@ def argmax(model_dir, prompt):
         return {"samples": samples, "counters": counters}
 
 
+@pytest.fixture(scope="module")
+def device(model_dir, prompt):
+    with engine(model_dir, {"method": "selfspec", **SKIP, "drafter": "device"}) as llm:
+        return {
+            config: _sample_drafting(llm, prompt, config, 20_000_000 * (i + 1))
+            for i, config in enumerate(DEVICE_CONFIGS)
+        }
+
+
 def _min_p_value(a: np.ndarray, b: np.ndarray) -> float:
     p_values = position_p_values(a, b, max_cells=MAX_CELLS)
     print(f"per-position p-values: {np.array2string(p_values, precision=3)}")
@@ -233,6 +245,15 @@ def test_probabilistic_drafts_keep_the_distribution(plain, probabilistic, config
     p = _min_p_value(plain[config], probabilistic["samples"][config])
     print(f"{config}: min p-value {p:.3g} (level {ALPHA_PER_TEST:.2g})")
     assert p > ALPHA_PER_TEST
+
+
+@pytest.mark.parametrize("config", DEVICE_CONFIGS)
+def test_device_drafter_keeps_the_distribution(plain, device, config):
+    """The device drafter samples drafts with vLLM's draft sampler (temperature only, no top-p)
+    and hands their probabilities to vLLM's rejection sampler: the distribution is plain's."""
+    samples, counters = device[config]
+    print(f"device drafter {config}: acceptance {_acceptance(counters):.3f}")
+    assert _min_p_value(plain[config], samples) > ALPHA_PER_TEST
 
 
 def test_argmax_drafts_keep_the_distribution(plain, argmax):

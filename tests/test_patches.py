@@ -112,3 +112,33 @@ def test_cpu_expand_workaround_fixes_float_expansion():
     assert got.tolist() == [576, 576, 5, 5, 5, 576, 9, 9, 9]
     as_int64 = rs.expand_batch_to_tokens(top_k.long(), cu, 9, replace_from=0, replace_to=576)
     assert as_int64.tolist() == got.tolist()
+
+
+def test_device_drafter_only_for_selfspec_draft_model_engines():
+    def config(method, settings):
+        cfg = _FakeVllmConfig(_FakeSpec(method, "some/model", 4))
+        cfg.additional_config = None if settings is None else {"selfspec": settings}
+        return cfg
+
+    assert patches.wants_device_drafter(config("draft_model", {"drafter": "device"}))
+    # a user's own draft-model engine, and selfspec's host drafter, keep vLLM's proposer
+    assert not patches.wants_device_drafter(config("draft_model", None))
+    assert not patches.wants_device_drafter(config("draft_model", {"drafter": "host"}))
+    assert not patches.wants_device_drafter(config("custom_class", {"drafter": "device"}))
+    assert not patches.wants_device_drafter(_FakeVllmConfig(None))
+
+
+def test_runner_patch_waits_for_the_runner_module():
+    # A fresh interpreter: loading the plugin imports none of vLLM's worker; the runner is
+    # patched once its module is imported.
+    code = (
+        "import sys\n"
+        "from vllm.plugins import load_general_plugins\n"
+        "load_general_plugins()\n"
+        "print('vllm.v1.worker.gpu_model_runner' in sys.modules)\n"
+        "from vllm.v1.worker.gpu_model_runner import GPUModelRunner\n"
+        "print(getattr(GPUModelRunner.__init__, '_vllm_selfspec_patched', False))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-2:] == ["False", "True"]

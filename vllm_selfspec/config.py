@@ -64,6 +64,10 @@ DEFAULT_TARGET_ACCEPTANCE = 0.9
 DEFAULT_DRAFT_SAMPLING = "probabilistic"
 DRAFT_SAMPLING_MODES = ("probabilistic", "argmax")
 LAYER_SELECTION_MODES = ("static", "online")
+DRAFTERS = ("host", "device")
+"""``host``: the ``custom_class`` drafter (CPU lists, eager drafts; every feature). ``device``:
+vLLM's device-side speculator path (experimental; see :mod:`vllm_selfspec.device_drafter`)."""
+DEFAULT_DRAFTER = "host"
 
 SELFSPEC_KEYS = frozenset(
     {
@@ -77,6 +81,7 @@ SELFSPEC_KEYS = frozenset(
         "layer_selection",
         "online_search",
         "online_profile_out",
+        "drafter",
     }
 )
 """The selfspec-specific keys of a speculative config (``num_speculative_tokens`` is vLLM's)."""
@@ -127,6 +132,13 @@ def _check_target_acceptance(value: object, where: str) -> float:
 def _check_draft_sampling(value: object, where: str) -> str:
     if value not in DRAFT_SAMPLING_MODES or not isinstance(value, str):
         allowed = " or ".join(repr(m) for m in DRAFT_SAMPLING_MODES)
+        raise SelfSpecConfigError(f"{where} must be {allowed}, got {value!r}")
+    return value
+
+
+def _check_drafter(value: object, where: str) -> str:
+    if not isinstance(value, str) or value not in DRAFTERS:
+        allowed = " or ".join(repr(m) for m in DRAFTERS)
         raise SelfSpecConfigError(f"{where} must be {allowed}, got {value!r}")
     return value
 
@@ -211,6 +223,7 @@ class SelfSpecSettings:
     layer_selection: str = "static"
     online_search: dict[str, Any] | None = None
     online_profile_out: str | None = None
+    drafter: str = DEFAULT_DRAFTER
 
     def __post_init__(self) -> None:
         n = self.num_hidden_layers
@@ -247,6 +260,25 @@ class SelfSpecSettings:
             self, "online_search", _check_online_search(self.online_search, "online_search")
         )
         _check_profile_out(self.online_profile_out, "online_profile_out")
+        _check_drafter(self.drafter, "drafter")
+        if self.drafter == "device":
+            unsupported = {
+                "adaptive": self.adaptive,
+                "layer_selection": self.layer_selection != "static",
+            }
+            for key, on in unsupported.items():
+                if on:
+                    raise SelfSpecConfigError(
+                        f"drafter 'device' (experimental) does not support {key}="
+                        f"{getattr(self, key)!r} yet: set {key} to "
+                        f"{'false' if key == 'adaptive' else repr('static')}, or use drafter "
+                        f"'host'"
+                    )
+            if len(self.skip_attention) == n:
+                raise SelfSpecConfigError(
+                    "drafter 'device' needs at least one attention sub-layer in the draft "
+                    f"(skip_attention skips all {n}); use drafter 'host' for such a set"
+                )
         if self.layer_selection != "online":
             for key in ("online_search", "online_profile_out"):
                 if getattr(self, key) is not None:
@@ -414,8 +446,11 @@ def resolve_settings(
 
     # Online selection: asked for, or the default when nothing chose the skip set (no explicit
     # lists, no profile given, no shipped profile matched); the chosen set is its starting point.
+    drafter = _check_drafter(given.get("drafter", DEFAULT_DRAFTER), "drafter")
     if "layer_selection" in given:
         layer_selection = _check_layer_selection(given["layer_selection"], "layer_selection")
+    elif drafter == "device":  # not on that path yet: the set chosen above, kept
+        layer_selection = "static"
     elif not lists and "profile" not in given and profile is None and n_layers >= 4:
         layer_selection = "online"
     else:
@@ -445,7 +480,11 @@ def resolve_settings(
         skip_mlp=skip_mlp,
         source=source,
         num_hidden_layers=n_layers,
-        adaptive=_check_bool(*pick("adaptive", DEFAULT_ADAPTIVE)),
+        adaptive=(
+            _check_bool(*pick("adaptive", DEFAULT_ADAPTIVE))
+            if drafter == "host" or "adaptive" in given
+            else False  # the device drafter has no controller yet: fixed k unless asked
+        ),
         draft_confidence_threshold=_check_draft_confidence_threshold(
             *pick("draft_confidence_threshold", DEFAULT_DRAFT_CONFIDENCE_THRESHOLD)
         ),
@@ -456,6 +495,7 @@ def resolve_settings(
         layer_selection=layer_selection,
         online_search=given.get("online_search"),
         online_profile_out=given.get("online_profile_out"),
+        drafter=drafter,
     )
     logger.debug("selfspec settings for %s: %s", model.describe(), settings.describe())
     return settings

@@ -128,6 +128,21 @@ def flat_overrides(extra: dict[str, Any]) -> dict[str, Any] | None:
     return flat
 
 
+def request_overrides(
+    extra_args: Mapping[str, Any] | None, k_max: int | None = None
+) -> dict[str, Any] | None:
+    """A request's validated selfspec overrides from its ``SamplingParams.extra_args`` (nested
+    under OVERRIDES_KEY, or flat ``selfspec_<key>`` entries), None when it has none; raises
+    ``ValueError`` as :func:`validate_request_overrides` does."""
+    extra = dict(extra_args or {})
+    raw = extra.get(OVERRIDES_KEY)
+    if raw is None:
+        raw = flat_overrides(extra)
+        if raw is None:
+            return None
+    return validate_request_overrides(raw, k_max=k_max)
+
+
 def validate_request_overrides(
     overrides: Mapping[str, Any] | None, k_max: int | None = None
 ) -> dict[str, Any]:

@@ -75,6 +75,29 @@ def rewrite_selfspec_request(
     )
     from vllm_selfspec.patches import PROPOSER_PATH
 
+    if settings.drafter == "device":
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            raise SelfSpecConfigError(
+                "drafter 'device' is experimental and runs on vLLM's CPU build only so far (on "
+                "CUDA vLLM picks its V2 model runner for draft_model, which it does not hook "
+                "yet); use drafter 'host'"
+            )
+        # vLLM's draft-model path with the target as its own draft model; the runner patch
+        # (patches.install_device_drafter) swaps our proposer in, which loads no weights and
+        # allocates no KV of its own.
+        vllm_spec = {
+            **passthrough,
+            "method": "draft_model",
+            "model": model_config.model,
+            "num_speculative_tokens": settings.num_speculative_tokens,
+            "draft_tensor_parallel_size": getattr(parallel_config, "tensor_parallel_size", 1),
+            "draft_sample_method": (
+                "probabilistic" if settings.draft_sampling == "probabilistic" else "greedy"
+            ),
+        }
+        return vllm_spec, settings.to_dict()
     vllm_spec = {
         **passthrough,
         "method": "custom_class",

@@ -49,11 +49,20 @@ behaviour of an engine that did not ask for ``"method": "selfspec"``.
    first iterated, and a streamed response has sent its 200 by then. Its wrapper runs the same check
    when it is called (the servers call it before they start the response), then returns vLLM's
    generator. Engines without the selfspec method are not touched.
+8. ``GPUModelRunner.__init__`` (worker processes; installed lazily by an import hook when
+   ``vllm.v1.worker.gpu_model_runner`` is first imported): a selfspec engine with
+   ``"drafter": "device"`` runs as vLLM's ``draft_model`` method with the target as the draft
+   model, and vLLM's runner would build a ``DraftModelProposer`` that loads a second copy of the
+   weights and KV cache. The wrapper delegates, then replaces that proposer by
+   :class:`vllm_selfspec.device_drafter.SelfSpecDeviceProposer` (a subclass, so every runner
+   gate for ``draft_model`` passes) on those engines only.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.abc
+import importlib.util
 import logging
 import os
 import sys
@@ -129,6 +138,7 @@ def apply_patches() -> None:
     _patch_cpu_empty_top_k_only()
     _install_metrics(only_if_imported=True)
     install_request_validation(only_if_imported=True)
+    install_device_drafter()
 
 
 # --- 1. the "selfspec" method alias -------------------------------------------------------------
@@ -341,7 +351,7 @@ def request_error_type() -> type[ValueError]:
 def selfspec_k_max(vllm_config: Any) -> int | None:
     """The engine's maximum draft length (what the drafter uses), None for other engines."""
     spec = getattr(vllm_config, "speculative_config", None)
-    if not is_selfspec_config(spec):
+    if not (is_selfspec_config(spec) or wants_device_drafter(vllm_config)):
         return None
     return int(spec.num_speculative_tokens)
 
@@ -442,3 +452,70 @@ def _patch_async_generate_validation() -> None:
 
     setattr(generate, _SENTINEL, True)
     AsyncLLM.generate = generate
+
+
+# --- 8. the device drafter on the model runner --------------------------------------------------
+
+_RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
+
+
+def wants_device_drafter(vllm_config: Any) -> bool:
+    """True for an engine configured by selfspec for its device drafter."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    settings = (getattr(vllm_config, "additional_config", None) or {}).get(ADDITIONAL_CONFIG_KEY)
+    return (
+        getattr(spec, "method", None) == "draft_model"
+        and isinstance(settings, Mapping)
+        and settings.get("drafter") == "device"
+    )
+
+
+def install_device_drafter() -> None:
+    """Patch the runner now if its module is imported, else right after its first import (the
+    plugin entry point stays cheap: nothing of vLLM's worker is imported for it)."""
+    module = sys.modules.get(_RUNNER_MODULE)
+    if module is not None:
+        _patch_runner_init(module)
+    elif not any(isinstance(f, _PatchAfterImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _PatchAfterImport(_RUNNER_MODULE, _patch_runner_init))
+
+
+class _PatchAfterImport(importlib.abc.MetaPathFinder):
+    """Runs ``patch(module)`` right after module ``name`` is executed (one shot)."""
+
+    def __init__(self, name: str, patch: Any) -> None:
+        self.name, self.patch = name, patch
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        exec_module, patch = spec.loader.exec_module, self.patch
+
+        def exec_and_patch(module: Any) -> None:
+            exec_module(module)
+            patch(module)
+
+        spec.loader.exec_module = exec_and_patch  # type: ignore[method-assign]
+        return spec
+
+
+def _patch_runner_init(module: Any) -> None:
+    cls = module.GPUModelRunner
+    original = cls.__init__
+    if getattr(original, _SENTINEL, False):
+        return
+
+    @functools.wraps(original)
+    def __init__(self, vllm_config, *args, **kwargs):
+        original(self, vllm_config, *args, **kwargs)
+        if wants_device_drafter(vllm_config) and hasattr(self, "drafter"):
+            from vllm_selfspec.device_drafter import SelfSpecDeviceProposer
+
+            self.drafter = SelfSpecDeviceProposer(vllm_config, self.device, self)
+
+    setattr(__init__, _SENTINEL, True)
+    cls.__init__ = __init__

@@ -208,22 +208,12 @@ class SelfSpecProposer:
         return total
 
     def _request_overrides(self, req_id: str) -> dict[str, Any] | None:
-        from vllm_selfspec.controller import (
-            OVERRIDES_KEY,
-            flat_overrides,
-            validate_request_overrides,
-        )
+        from vllm_selfspec.controller import request_overrides
 
         state = self.runner.requests.get(req_id)
         params = getattr(state, "sampling_params", None)
-        extra = getattr(params, "extra_args", None) or {}
-        raw = extra.get(OVERRIDES_KEY)
-        if raw is None:
-            raw = flat_overrides(extra)
-            if raw is None:
-                return None
         try:
-            return validate_request_overrides(raw, k_max=self.k_max)
+            return request_overrides(getattr(params, "extra_args", None), k_max=self.k_max)
         except ValueError as exc:  # never fail a running request: draft with the defaults
             if req_id not in self._bad_override_warned:
                 self._bad_override_warned.add(req_id)

@@ -74,6 +74,16 @@ class LayerSkipForward:
         skip_mlp: Collection[int],
     ) -> torch.Tensor:
         """Final-norm hidden states for ``input_ids`` at ``positions`` (under a forward context)."""
+        return self.run(input_ids, positions, skip_attention, skip_mlp)
+
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        skip_attention: Collection[int],
+        skip_mlp: Collection[int],
+    ) -> torch.Tensor:
+        """:meth:`__call__` without its inference-mode guard (for a caller that compiles it)."""
         hidden = self.stack.embed_input_ids(input_ids)
         residual: torch.Tensor | None = None
         layers = self.stack.layers

@@ -16,9 +16,11 @@ class SelfSpecWorkerExtension:
         from vllm_selfspec.proposer import SelfSpecProposer
 
         drafter = getattr(self.model_runner, "drafter", None)
-        if not isinstance(drafter, SelfSpecProposer):
-            return {}
-        return drafter.stats()
+        if isinstance(drafter, SelfSpecProposer) or type(drafter).__name__ == (
+            "SelfSpecDeviceProposer"
+        ):
+            return drafter.stats()
+        return {}
 
     def selfspec_online_arm_kv_check(self, count: int = 1, write_slots: bool = False) -> bool:
         """Test hook of online layer selection: byte-compare the paged KV cache around the next

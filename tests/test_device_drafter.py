@@ -1,0 +1,173 @@
+"""End-to-end tests of the device drafter (``"drafter": "device"``) against plain vLLM decoding.
+
+The drafter runs on vLLM's own ``draft_model`` machinery with the target as its own draft model
+(see :mod:`vllm_selfspec.device_drafter`). Every test compares with a plain engine of the same
+model: greedy outputs token-identical, drafts verified (and all accepted where the skip set is
+exact: the e2e-zero model's skipped sub-layers have zero output projections).
+
+Workloads: a ragged batch of 8, a single request, a prompt near ``max_model_len`` with ``k = 8``
+(draft rows step past the end: the regression test of the cache corruption the drafter masks),
+per-request draft caps, chunked prefills (a small token budget), argmax drafts through the
+probabilistic draft sampler and the rejection sampler, and a compiled engine (vLLM's default
+mode: the draft model is compiled through ``support_torch_compile``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.drafter_probe import DRAFTER_PROBE_EXTENSION
+from tests.engine_utils import MetricsWindow, drafter_stats, engine, token_ids
+
+ZERO_LAYERS = [2, 5]
+ZERO = {"skip_attention": ZERO_LAYERS, "skip_mlp": ZERO_LAYERS, "num_speculative_tokens": 4}
+LOSSY = {"skip_attention": [1, 2, 5, 6], "skip_mlp": [2, 3, 5], "num_speculative_tokens": 8}
+MAX_MODEL_LEN = 192
+EXT = {"worker_extension_cls": DRAFTER_PROBE_EXTENSION}
+
+
+def _spec(cfg: dict[str, Any]) -> dict[str, Any]:
+    return {"method": "selfspec", "drafter": "device", **cfg}
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    from vllm_selfspec.testing.tiny_models import tiny_model_dir
+
+    return tiny_model_dir("e2e-zero", arch="llama", num_layers=8, zero_output_layers=ZERO_LAYERS)
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return [(7 * seed + 13 * j) % 500 + 3 for j in range(n)]
+
+
+def _workloads() -> dict[str, list[tuple[list[int], dict[str, Any]]]]:
+    """name -> [(prompt token ids, SamplingParams kwargs)]."""
+    greedy = {"temperature": 0.0, "ignore_eos": True}
+    return {
+        "batch": [(_prompt(5 + 3 * i, i), {**greedy, "max_tokens": 40 + 7 * i}) for i in range(8)],
+        "single": [(_prompt(9, 3), {**greedy, "max_tokens": 64})],
+        # 170 + 40 > MAX_MODEL_LEN: the request ends at the limit, draft rows step past it
+        "near_end": [(_prompt(170, i), {**greedy, "max_tokens": 40}) for i in range(2)],
+        "caps": [
+            (_prompt(12, 20 + i), {**greedy, "max_tokens": 48,
+                                   "extra_args": None if cap is None else
+                                   {"selfspec": {"num_speculative_tokens": cap}}})
+            for i, cap in enumerate([0, 1, 2, None])
+        ],
+        "long_prompts": [(_prompt(120 + 9 * i, 40 + i), {**greedy, "max_tokens": 24})
+                         for i in range(4)],
+    }
+
+
+def _generate(llm: Any, requests: list[tuple[list[int], dict[str, Any]]]) -> list[list[int]]:
+    from vllm import SamplingParams
+
+    prompts = [{"prompt_token_ids": p} for p, _ in requests]
+    return token_ids(llm.generate(prompts, [SamplingParams(**kw) for _, kw in requests]))
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    with engine(model_dir, **EXT) as llm:
+        outputs = {name: _generate(llm, reqs) for name, reqs in _workloads().items()}
+        memory = llm.collective_rpc("memory_probe")
+    return {"outputs": outputs, "memory": memory}
+
+
+SETS = {"zero": (ZERO, {}), "lossy": (LOSSY, {"max_num_batched_tokens": 96})}
+
+
+@pytest.fixture(scope="module", params=list(SETS))
+def dev(request, model_dir, reference):
+    """A device-drafter engine per skip set, one alive at a time (vLLM's metrics of two engines
+    in one process mix). The lossy one has a small token budget: long prompts are prefilled in
+    chunks, and the partial prefills are drafted for and discarded."""
+    cfg, extra = SETS[request.param]
+    with engine(model_dir, _spec(cfg), **extra, **EXT) as llm:
+        yield request.param, llm
+
+
+def _drafted(window: MetricsWindow, exact: bool) -> dict[str, float]:
+    delta = window.delta()
+    assert delta["num_draft_tokens"] > 0, delta
+    if exact:  # the zero set's drafts are the full model's tokens
+        assert delta["num_accepted_tokens"] == delta["num_draft_tokens"], delta
+    return delta
+
+
+@pytest.mark.parametrize("name", list(_workloads()))
+def test_greedy_identical(dev, reference, name):
+    kind, llm = dev
+    window = MetricsWindow(llm)
+    assert _generate(llm, _workloads()[name]) == reference["outputs"][name]
+    _drafted(window, exact=kind == "zero")
+
+
+def test_draft_rows_stopped_at_max_model_len(dev):
+    """The near-end workload ran (test_greedy_identical): draft rows reached max_model_len and
+    were masked there (no write past the end; vLLM's step kernel would have wrapped them to
+    position 0 and written real slots of the request's first tokens)."""
+    [stats] = drafter_stats(dev[1])
+    assert stats["drafter"] == "device"
+    assert stats["rows_past_end"] > 0, stats
+
+
+def test_per_request_caps_trim_drafts(dev, reference):
+    kind, llm = dev
+    window = MetricsWindow(llm)
+    before = drafter_stats(llm)[0]["trimmed_tokens"]
+    capped = _workloads()["caps"][:2]  # caps 0 and 1
+    assert _generate(llm, capped) == reference["outputs"]["caps"][:2]
+    delta = _drafted(window, exact=kind == "zero")
+    # cap 0 drafts nothing, cap 1 one token per verification
+    assert delta["num_draft_tokens"] == delta["num_drafts"], delta
+    assert drafter_stats(llm)[0]["trimmed_tokens"] > before
+
+
+def test_argmax_drafts_through_the_rejection_sampler(dev, reference):
+    """top_k=1 at temperature 1: drafts are sampled (probabilistic draft sampler, draft probs to
+    the rejection sampler) and the output is still the greedy one.
+
+    vLLM's draft sampler applies the temperature only, not top-k / top-p: even the exact zero set
+    draws its drafts from the whole T=1 distribution here, and most are rejected (95 of 1664
+    accepted when measured). Lossless, but such requests draft poorly on this path."""
+    _, llm = dev
+    reqs = [(p, {**kw, "temperature": 1.0, "top_k": 1, "seed": 7})
+            for p, kw in _workloads()["batch"]]
+    window = MetricsWindow(llm)
+    assert _generate(llm, reqs) == reference["outputs"]["batch"]
+    assert _drafted(window, exact=False)["num_accepted_tokens"] > 0
+
+
+def test_no_extra_weights_or_kv_cache(dev, reference):
+    """The drafter loads no weights and allocates no KV cache: parameter storage and KV cache
+    tensors equal the plain engine's; its attention layers are the target's non-skipped ones."""
+    kind, llm = dev
+    [plain] = reference["memory"]
+    [mem] = llm.collective_rpc("memory_probe")
+    assert mem["drafter"] == "SelfSpecDeviceProposer"
+    assert mem["param_bytes"] == plain["param_bytes"]
+    assert (mem["kv_tensors"], mem["kv_bytes"]) == (plain["kv_tensors"], plain["kv_bytes"])
+    assert mem["drafter_own_params"] == 0
+    skipped = SETS[kind][0]["skip_attention"]
+    expected = {f"model.layers.{i}.self_attn.attn" for i in range(8) if i not in skipped}
+    assert set(mem["drafter_layers"]) == expected
+    assert expected <= set(mem["target_layers"])
+
+
+def test_compiled_engine_greedy_identical(model_dir):
+    """vLLM's default mode (inductor on CPU): the draft model is compiled too, outputs equal a
+    compiled plain engine's."""
+    reqs = _workloads()["batch"]
+    with engine(model_dir, enforce_eager=False, **EXT) as plain:
+        expected = _generate(plain, reqs)
+    with engine(model_dir, _spec(ZERO), enforce_eager=False, **EXT) as llm:
+        window = MetricsWindow(llm)
+        assert _generate(llm, reqs) == expected
+        delta = window.delta()
+        assert delta["num_accepted_tokens"] == delta["num_draft_tokens"] > 0, delta
+        [mem] = llm.collective_rpc("memory_probe")
+        assert mem["compiled"], mem

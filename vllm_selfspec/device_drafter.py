@@ -1,0 +1,276 @@
+"""The device-side selfspec drafter (``"drafter": "device"``, experimental).
+
+vLLM's own speculator machinery (``DraftModelProposer`` / ``SpecDecodeBaseProposer``) runs the
+draft: sampled tokens and drafts stay on the device, one padded draft pass per engine step,
+positions, slots and sequence lengths advance on the device between draft steps (vLLM's fused
+step kernel), no host sync per draft token, and the draft forward goes through vLLM's compilation
+path (``support_torch_compile``: inductor on CPU). The "draft model" is the target itself:
+:class:`SelfDraftModel` holds the target's modules by reference and runs the layer-skip stack, its
+attention layers are the target's own non-skipped ones (no KV pages of its own: drafts write the
+target's paged cache, and verification overwrites those slots before any full-model read), and no
+weight is loaded or copied.
+
+A selfspec engine asking for this drafter is configured as vLLM's ``draft_model`` method with the
+target as the draft model (:mod:`vllm_selfspec.engine_config`); :func:`vllm_selfspec.patches.
+install_device_drafter` swaps this class in for ``DraftModelProposer`` on those engines' runners.
+
+Differences from vLLM's ``draft_model`` (each a method below, wrapping and delegating):
+
+* The first draft pass is one token per request: the sampled token at the first position without
+  K/V (``seq_len - num_rejected``). vLLM's pass re-encodes every verified token, which on a shared
+  cache would overwrite the full model's K/V of accepted positions with the draft's.
+* Rows that step past ``max_model_len`` write nothing for the rest of the pass. vLLM's step kernel
+  sends such a row back to position 0 and carries on at 1, 2, ... with real slots: harmless in a
+  draft model's own cache, but in the target's it overwrote a request's first K/V (a wrong token
+  was reproduced). vLLM hides this by switching drafting off for the whole batch near the end; we
+  do not (see ``patches.patch_runner_input_fits_in_drafter``).
+* Per-request draft caps (``selfspec_num_speculative_tokens``) trim each request's drafts when the
+  engine core takes them.
+
+Not yet on this path (the ``host`` drafter has them): the adaptive draft-length controller and the
+confidence exit, online layer selection, the ``vllm:selfspec_*`` metrics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+from vllm.compilation.decorators import support_torch_compile
+from vllm.v1.spec_decode.draft_model import DraftModelProposer
+
+from vllm_selfspec.config import SelfSpecSettings
+from vllm_selfspec.patches import (
+    ADDITIONAL_CONFIG_KEY,
+    patch_runner_cpu_discarded_generators,
+    patch_runner_input_fits_in_drafter,
+)
+from vllm_selfspec.skip_forward import LayerSkipForward, decoder_stack
+
+logger = logging.getLogger("vllm.selfspec.device_drafter")
+
+PADDING_SLOT_ID = -1  # vLLM's "write nothing" slot (vllm.v1.attention.backends.utils)
+
+
+@support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": -1})
+class SelfDraftModel(nn.Module):
+    """The target model with the profile's sub-layers skipped, as vLLM's drafter calls a model.
+
+    The target is held outside ``nn.Module`` registration: its parameters stay the target's (no
+    copy, not counted twice), and the skip set is a constant of the compiled graph.
+    """
+
+    def __init__(
+        self,
+        *,
+        vllm_config: Any,
+        prefix: str = "",
+        target: nn.Module | None = None,
+        skip_attention: frozenset[int] = frozenset(),
+        skip_mlp: frozenset[int] = frozenset(),
+    ) -> None:
+        super().__init__()
+        assert target is not None
+        self._target = (target,)
+        self._skip = LayerSkipForward(target)
+        self.skip_attention = frozenset(skip_attention)
+        self.skip_mlp = frozenset(skip_mlp)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return self._skip.run(input_ids, positions, self.skip_attention, self.skip_mlp)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self._target[0].compute_logits(hidden_states)
+
+    def embed_input_ids(self, input_ids: torch.Tensor, **_: Any) -> torch.Tensor:
+        return decoder_stack(self._target[0]).embed_input_ids(input_ids)
+
+
+def attention_layer_names(target: nn.Module, skip_attention: frozenset[int]) -> set[str]:
+    """vLLM's names of the target's attention layers the draft runs (its KV-writing layers)."""
+    skip = LayerSkipForward(target)
+    return {
+        skip.stack.layers[index].self_attn.attn.layer_name
+        for index in range(skip.start_layer, skip.end_layer)
+        if index not in skip_attention
+    }
+
+
+class SelfSpecDeviceProposer(DraftModelProposer):
+    """vLLM's draft-model proposer with the target as its own layer-skipping draft model."""
+
+    def __init__(self, vllm_config: Any, device: torch.device, runner: Any = None) -> None:
+        super().__init__(vllm_config=vllm_config, device=device, runner=runner)
+        raw = (vllm_config.additional_config or {})[ADDITIONAL_CONFIG_KEY]
+        self.settings = SelfSpecSettings.from_dict(raw)
+        self.k_max = self.settings.num_speculative_tokens
+        self.runner = runner
+        self._pending_rejected: torch.Tensor | None = None
+        self._past_end = torch.zeros(self.max_batch_size, dtype=torch.bool, device=device)
+        self._past_end_rows = torch.zeros((), dtype=torch.int64, device=device)
+        self.counters = {"draft_passes": 0, "trimmed_tokens": 0}
+        if runner is not None:
+            patch_runner_input_fits_in_drafter(runner)
+            patch_runner_cpu_discarded_generators(runner)
+            _wrap_take_draft_token_ids(runner, self)
+        logger.info(
+            "selfspec device drafter: %s, k=%d", self.settings.describe(), self.k_max
+        )
+
+    # --- model ------------------------------------------------------------------------------
+
+    def load_model(self, target_model: nn.Module) -> None:
+        """Build the self-draft model over ``target_model``; load nothing, allocate no KV."""
+        from vllm.compilation.backends import set_model_tag
+        from vllm.config import set_current_vllm_config
+
+        skip_attention = frozenset(self.settings.skip_attention)
+        skip_mlp = frozenset(self.settings.skip_mlp)
+        # One compile-cache tag per skip set: a compiled graph bakes the skip set in.
+        tag = "selfspec_draft_a{}_m{}".format(
+            "-".join(map(str, sorted(skip_attention))) or "none",
+            "-".join(map(str, sorted(skip_mlp))) or "none",
+        )
+        with set_model_tag(tag), set_current_vllm_config(self.vllm_config):
+            self.model = SelfDraftModel(
+                vllm_config=self.vllm_config,
+                prefix="selfspec_draft",
+                target=target_model,
+                skip_attention=skip_attention,
+                skip_mlp=skip_mlp,
+            )
+        self._draft_attn_layer_names = attention_layer_names(target_model, skip_attention)
+
+    # --- the pass ---------------------------------------------------------------------------
+
+    def propose(self, *args: Any, num_rejected_tokens_gpu: torch.Tensor | None = None,
+                **kwargs: Any) -> torch.Tensor:
+        # The first pass below places each request's token after its rejected slots itself, so
+        # the base loop must not subtract them again from the sequence lengths.
+        self._pending_rejected = num_rejected_tokens_gpu
+        self.counters["draft_passes"] += 1
+        return super().propose(*args, num_rejected_tokens_gpu=None, **kwargs)
+
+    def set_inputs_first_pass(
+        self,
+        target_token_ids: torch.Tensor,
+        next_token_ids: torch.Tensor,
+        target_positions: torch.Tensor,
+        target_hidden_states: torch.Tensor,
+        token_indices_to_sample: torch.Tensor | None,
+        cad: Any,
+        num_rejected_tokens_gpu: torch.Tensor | None,
+    ) -> tuple[int, torch.Tensor, Any]:
+        """One query token per request: its sampled token at the first position without K/V."""
+        batch = cad.batch_size()
+        seq_lens = cad.seq_lens[:batch].to(torch.int64)
+        rejected = self._pending_rejected
+        if rejected is not None:
+            seq_lens = seq_lens - rejected[:batch].to(torch.int64)
+        positions = seq_lens  # the sampled token's position (positions 0..seq_len-1 have K/V)
+        past_end = positions >= self.max_model_len
+        self._past_end[:batch] = past_end
+        positions = positions.masked_fill(past_end, 0)
+        block = cad.block_table_tensor[torch.arange(batch, device=positions.device),
+                                       positions // self.block_size]
+        slots = (block.to(torch.int64) * self.block_size + positions % self.block_size)
+        slots = slots.masked_fill(past_end, PADDING_SLOT_ID)
+        self.input_ids[:batch] = next_token_ids[:batch].to(self.input_ids.dtype)
+        self._set_positions(batch, positions)
+        upper = cad.seq_lens_cpu_upper_bound
+        new_cad = dataclasses.replace(
+            cad,
+            query_start_loc=self.arange[: batch + 1],
+            query_start_loc_cpu=torch.from_numpy(self.token_arange_np[: batch + 1]).clone(),
+            seq_lens=(positions + 1).masked_fill(past_end, 1).to(cad.seq_lens.dtype),
+            num_actual_tokens=batch,
+            max_query_len=1,
+            max_seq_len=min(cad.max_seq_len + 1, self.max_model_len),
+            slot_mapping=slots,
+            seq_lens_cpu_upper_bound=None if upper is None else upper + 1,
+            positions=None,
+            is_prefilling=None,
+            logits_indices_padded=None,
+            num_logits_indices=None,
+        )
+        return batch, self.arange[:batch], new_cad
+
+    def _update_positions_dependent_metadata(
+        self,
+        positions: torch.Tensor,
+        common_attn_metadata: Any,
+        batch_size: int,
+        input_batch_size: int,
+        block_size: int,
+    ) -> torch.Tensor:
+        """vLLM's step update, then no writes for rows that have passed ``max_model_len``."""
+        newly = ((positions[:batch_size] + 1) >= self.max_model_len) & ~self._past_end[:batch_size]
+        self._past_end_rows += newly.sum()  # on the device: read only by stats()
+        self._past_end[:batch_size] |= newly
+        out = super()._update_positions_dependent_metadata(
+            positions, common_attn_metadata, batch_size, input_batch_size, block_size
+        )
+        self._slot_mapping_buffer[:batch_size].masked_fill_(
+            self._past_end[:batch_size], PADDING_SLOT_ID
+        )
+        return out
+
+    # --- per-request caps -------------------------------------------------------------------
+
+    def request_cap(self, req_id: str) -> int:
+        """The request's draft cap (its ``num_speculative_tokens`` override, else ``k``)."""
+        from vllm_selfspec.controller import request_overrides
+
+        state = self.runner.requests.get(req_id) if self.runner is not None else None
+        params = getattr(state, "sampling_params", None)
+        try:
+            overrides = request_overrides(getattr(params, "extra_args", None), self.k_max)
+        except ValueError:  # refused at arrival by the front end; never fail a running request
+            overrides = None
+        return int((overrides or {}).get("num_speculative_tokens", self.k_max))
+
+    def trim(self, req_ids: list[str], drafts: list[list[int]]) -> list[list[int]]:
+        out = []
+        for req_id, tokens in zip(req_ids, drafts, strict=True):
+            cap = self.request_cap(req_id)
+            if cap < len(tokens):
+                self.counters["trimmed_tokens"] += len(tokens) - cap
+                tokens = tokens[:cap]
+            out.append(tokens)
+        return out
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "drafter": "device",
+            **self.counters,
+            # draft rows stopped at max_model_len (they write nothing past it)
+            "rows_past_end": int(self._past_end_rows.item()),
+        }
+
+
+def _wrap_take_draft_token_ids(runner: Any, proposer: SelfSpecDeviceProposer) -> None:
+    """Instance wrap of ``runner.take_draft_token_ids``: each request's drafts trimmed to its cap
+    when the engine core takes them (the draft pass drafts the batch's ``k`` for every row)."""
+    original = runner.take_draft_token_ids
+    if getattr(original, "_selfspec_trim", False):
+        return
+
+    def take_draft_token_ids() -> Any:
+        result = original()
+        if result is None:
+            return None
+        return dataclasses.replace(
+            result, draft_token_ids=proposer.trim(result.req_ids, result.draft_token_ids)
+        )
+
+    take_draft_token_ids._selfspec_trim = True  # type: ignore[attr-defined]
+    take_draft_token_ids.__wrapped__ = original  # type: ignore[attr-defined]
+    runner.take_draft_token_ids = take_draft_token_ids
