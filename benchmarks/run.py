@@ -218,6 +218,20 @@ def build_suite(name: str) -> Suite:
             datasets=["mixed"], temperatures=[0.0], batches=[8, 32], reps=5,
             time_budget_s=900.0,
         )
+    if name == "drafter-v2":
+        # The device drafter ("drafter": "device") against the host drafter, fixed k both, in
+        # vLLM's default mode (--compile): free drafts (zero-output layers, acceptance 1) and
+        # SmolLM2 with its shipped profile. One drafter per group: idle vLLM CPU engines
+        # busy-poll, so only plain and one drafter are alive at a time.
+        groups = [
+            Group(model, [Method(f"selfspec {label} fixed k", spec=_selfspec(False, **extra))])
+            for model in ("zero", "smollm2")  # zero: engine_spec sets the inserted layers
+            for label, extra in (("device", {"drafter": "device"}), ("host", {}))
+        ]
+        return Suite(name=name, groups=groups, datasets=["mixed"], temperatures=[0.0],
+                     batches=[1, 8], reps=3, max_tokens=32, time_budget_s=2400.0, compile=True,
+                     note="fixed k = 4; zero: SmolLM2 with 30 zero-output layers inserted "
+                          "(every draft accepted); smollm2: its shipped profile")
     if name == "smoke":
         return Suite(
             name=name,
@@ -237,7 +251,8 @@ def build_suite(name: str) -> Suite:
     raise ValueError(f"unknown suite {name!r}; choose from {', '.join(SUITES)}")
 
 
-SUITES = ("cpu-smollm2", "cpu-qwen-coder", "cpu-zero", "no-harm", "sync-floor", "smoke")
+SUITES = ("cpu-smollm2", "cpu-qwen-coder", "cpu-zero", "no-harm", "sync-floor", "drafter-v2",
+          "smoke")
 ONLINE_SUITE = "online"  # benchmarks/online.py: a server per method, `vllm bench serve`
 EMBEDDED_MODEL_NAMES = ("smollm2-135m", QWEN_CODER)  # vllm_selfspec.assets.EMBEDDED_MODELS
 _ZERO_SKIP: dict[str, Any] = {}  # filled by resolve_model("zero") (the inserted layers)
