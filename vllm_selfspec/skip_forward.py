@@ -65,17 +65,6 @@ class LayerSkipForward:
                     f"layer {index} uses time-conditioned norms, which selfspec does not support"
                 )
 
-    @torch.inference_mode()
-    def __call__(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        skip_attention: Collection[int],
-        skip_mlp: Collection[int],
-    ) -> torch.Tensor:
-        """Final-norm hidden states for ``input_ids`` at ``positions`` (under a forward context)."""
-        return self.run(input_ids, positions, skip_attention, skip_mlp)
-
     def run(
         self,
         input_ids: torch.Tensor,
@@ -83,7 +72,10 @@ class LayerSkipForward:
         skip_attention: Collection[int],
         skip_mlp: Collection[int],
     ) -> torch.Tensor:
-        """:meth:`__call__` without its inference-mode guard (for a caller that compiles it)."""
+        """Final-norm hidden states for ``input_ids`` at ``positions`` (under a forward context).
+
+        Calling the object runs this under ``torch.inference_mode``; a caller that compiles the
+        pass (the device drafter) calls ``run`` itself."""
         hidden = self.stack.embed_input_ids(input_ids)
         residual: torch.Tensor | None = None
         layers = self.stack.layers
@@ -104,3 +96,5 @@ class LayerSkipForward:
         if residual is None:
             return self.stack.norm(hidden)
         return self.stack.norm(hidden, residual)[0]
+
+    __call__ = torch.inference_mode()(run)
