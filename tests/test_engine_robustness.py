@@ -7,6 +7,8 @@
 * Mixed batches: greedy requests next to sampled ones whose draft cap is smaller (so at later
   draft steps only greedy rows are still drafting), and a top-k-only sampled request. Both used to
   kill the engine (see vllm_selfspec/proposer.py and patch 6 in vllm_selfspec/patches.py).
+* Aborts mid-draft: half of a drafting batch is aborted between engine steps; the other half
+  must finish with plain vLLM's tokens, and the engine serves on (the tests after it).
 * The plugin's metrics are also there for the offline ``LLM`` (``LLM.get_metrics()``).
 """
 
@@ -65,7 +67,12 @@ def workloads():
     # top-k-only sampling at top_k=1 samples the argmax: equal to greedy
     top_k = [(mixed[0][0], SamplingParams(temperature=1.0, top_k=1, max_tokens=40,
                                           ignore_eos=True))]
-    return {"pressure": pressure, "mixed": mixed, "top_k": top_k}
+    abort = [
+        (TokensPrompt(prompt_token_ids=ids[500 + i * 13 : 500 + i * 13 + 10 + i]),
+         SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True))
+        for i in range(8)
+    ]
+    return {"pressure": pressure, "mixed": mixed, "top_k": top_k, "abort": abort}
 
 
 def _generate(llm, workload):
@@ -103,6 +110,34 @@ def test_preemption_greedy_identical_to_plain(spec_llm, workloads, reference):
     assert preemptions > 0, "the KV cache was large enough: no preemption happened"
     assert got == reference["pressure"]
     assert stats["draft_tokens"] > 0 and stats["kv_overflow_clips"] == 0
+
+
+ABORT_AFTER_STEPS = 6
+
+
+def test_requests_aborted_mid_draft(spec_llm, workloads, reference):
+    """Every other request of a drafting batch is aborted after a few engine steps (drafts in
+    flight for all of them); the others finish with plain vLLM's tokens. The tests after this one
+    run on the same engine: no KV block, draft or controller state of the aborted requests may
+    be left over."""
+    eng = spec_llm.llm_engine
+    ids = [f"abort-{i}" for i in range(len(workloads["abort"]))]
+    for req_id, (prompt, params) in zip(ids, workloads["abort"], strict=True):
+        eng.add_request(req_id, prompt, params)
+    drafted_before = drafter_stats(spec_llm)[0]["draft_tokens"]
+    finished, steps, drafted_at_abort = {}, 0, None
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                finished[out.request_id] = list(out.outputs[0].token_ids)
+        steps += 1
+        if steps == ABORT_AFTER_STEPS:
+            drafted_at_abort = drafter_stats(spec_llm)[0]["draft_tokens"] - drafted_before
+            eng.abort_request(ids[1::2])
+    assert drafted_at_abort, "no drafts before the abort"
+    assert [finished.get(r) for r in ids[0::2]] == reference["abort"][0::2]
+    full = workloads["abort"][0][1].max_tokens
+    assert all(len(finished.get(r, [])) < full for r in ids[1::2]), finished.keys()
 
 
 def test_mixed_greedy_and_sampled_with_ragged_caps(spec_llm, workloads, reference):
