@@ -171,3 +171,19 @@ def test_compiled_engine_greedy_identical(model_dir):
         assert delta["num_accepted_tokens"] == delta["num_draft_tokens"] > 0, delta
         [mem] = llm.collective_rpc("memory_probe")
         assert mem["compiled"], mem
+
+
+def test_tensor_parallel_2_greedy_identical(model_dir, reference):
+    """TP=2: each rank runs the draft pass over its shard of the target (vLLM's draft-model path
+    with the target's tensor parallelism); the output is the plain TP=1 one and both ranks drafted
+    in lockstep."""
+    from tests.engine_utils import env
+
+    tp = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
+    # One core per rank (vLLM's CPU TP needs explicit thread binding on this kind of machine).
+    with env(VLLM_CPU_OMP_THREADS_BIND="0|1"), engine(model_dir, _spec(ZERO), **tp, **EXT) as llm:
+        window = MetricsWindow(llm)
+        assert _generate(llm, _workloads()["batch"]) == reference["outputs"]["batch"]
+        _drafted(window, exact=True)
+        ranks = drafter_stats(llm)
+    assert len(ranks) == 2 and ranks[0] == ranks[1], ranks
