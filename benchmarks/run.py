@@ -223,9 +223,12 @@ def build_suite(name: str) -> Suite:
         # vLLM's default mode (--compile): free drafts (zero-output layers, acceptance 1) and
         # SmolLM2 with its shipped profile. One drafter per group: idle vLLM CPU engines
         # busy-poll, so only plain and one drafter are alive at a time.
+        models = {"zero": "zero-output layers (every draft exact)",
+                  "smollm2": "SmolLM2, its shipped profile"}
         groups = [
-            Group(model, [Method(f"selfspec {label} fixed k", spec=_selfspec(False, **extra))])
-            for model in ("zero", "smollm2")  # zero: engine_spec sets the inserted layers
+            Group(model, [Method(f"selfspec {label} fixed k", spec=_selfspec(False, **extra))],
+                  label=models[model])
+            for model in models  # zero: engine_spec sets the inserted layers
             for label, extra in (("device", {"drafter": "device"}), ("host", {}))
         ]
         return Suite(name=name, groups=groups, datasets=["mixed"], temperatures=[0.0],
@@ -594,7 +597,8 @@ def write_result(result: dict[str, Any], base: Path, plots: bool = True,
 
 def render_markdown(result: dict[str, Any]) -> str:
     p = result["plan"]
-    mode = "compiled (vLLM's default mode; selfspec drafts eager)" if p.get("compile") else "eager"
+    mode = ("compiled (vLLM's default mode; the host drafter's drafts eager, the device "
+            "drafter's compiled)" if p.get("compile") else "eager")
     lines = analysis.markdown_preamble(
         result, "",
         f"{p['max_tokens']} new tokens per prompt, {p['batch1_prompts']} prompts one after "
