@@ -649,14 +649,14 @@ async def _one_coded(client: Any, req: dict[str, Any]) -> tuple[int | str, Any]:
 
 
 def _async_client(base_url: str) -> Any:
-    import httpx
     import openai
 
     return openai.AsyncOpenAI(
         base_url=base_url,
         api_key="none",
         max_retries=0,
-        timeout=httpx.Timeout(REQUEST_TIMEOUT_S, connect=10.0),
+        # openai's own Timeout: from 3.63 the client runs on httpx2 and refuses httpx's
+        timeout=openai.Timeout(REQUEST_TIMEOUT_S, connect=10.0),
     )
 
 
