@@ -94,9 +94,8 @@ class SelfDraftModel(nn.Module):
         return decoder_stack(self._target[0]).embed_input_ids(input_ids)
 
 
-def attention_layer_names(target: nn.Module, skip_attention: frozenset[int]) -> set[str]:
+def attention_layer_names(skip: LayerSkipForward, skip_attention: frozenset[int]) -> set[str]:
     """vLLM's names of the target's attention layers the draft runs (its KV-writing layers)."""
-    skip = LayerSkipForward(target)
     return {
         skip.stack.layers[index].self_attn.attn.layer_name
         for index in range(skip.start_layer, skip.end_layer)
@@ -147,7 +146,7 @@ class SelfSpecDeviceProposer(DraftModelProposer):
                 skip_attention=skip_attention,
                 skip_mlp=skip_mlp,
             )
-        self._draft_attn_layer_names = attention_layer_names(target_model, skip_attention)
+        self._draft_attn_layer_names = attention_layer_names(self.model._skip, skip_attention)
 
     # --- the pass ---------------------------------------------------------------------------
 
