@@ -235,6 +235,28 @@ def build_suite(name: str) -> Suite:
                      batches=[1, 8], reps=3, max_tokens=32, time_budget_s=2400.0, compile=True,
                      note="fixed k = 4; zero: SmolLM2 with 30 zero-output layers inserted "
                           "(every draft accepted); smollm2: its shipped profile")
+    if name == "device-adaptive":
+        # The device drafter with the adaptive controller ("adaptive": true) beside the device
+        # drafter with k fixed, today's default (the host drafter, adaptive) and vLLM's ngram, in
+        # vLLM's default mode, HumanEval and MT-bench prompts. One drafter per group (idle vLLM CPU
+        # engines busy-poll: only plain and one drafter are alive at a time).
+        device = {"drafter": "device"}
+        groups = [
+            Group("smollm2", [Method("selfspec device adaptive", spec=_selfspec(True, **device))],
+                  label="SmolLM2, its shipped profile"),
+            Group("smollm2", [Method("selfspec device fixed k", spec=_selfspec(False, **device))],
+                  label="SmolLM2, its shipped profile"),
+            Group("smollm2", [Method("selfspec host adaptive (default)", spec=_selfspec(True))],
+                  label="SmolLM2, its shipped profile"),
+            Group("smollm2", [Method("ngram", spec=NGRAM)], label="SmolLM2"),
+            Group("zero", [Method("selfspec device adaptive", spec=_selfspec(True, **device))],
+                  label="zero-output layers (every draft exact)"),
+        ]
+        return Suite(name=name, groups=groups, datasets=["humaneval", "mtbench"],
+                     temperatures=[0.0], batches=[1, 8], reps=3, max_tokens=48,
+                     time_budget_s=1800.0, compile=True,
+                     note="k = 4; zero: SmolLM2 with 30 zero-output layers inserted (every draft "
+                          "accepted); smollm2: its shipped profile")
     if name == "smoke":
         return Suite(
             name=name,
@@ -255,7 +277,7 @@ def build_suite(name: str) -> Suite:
 
 
 SUITES = ("cpu-smollm2", "cpu-qwen-coder", "cpu-zero", "no-harm", "sync-floor", "drafter-v2",
-          "smoke")
+          "device-adaptive", "smoke")
 ONLINE_SUITE = "online"  # benchmarks/online.py: a server per method, `vllm bench serve`
 EMBEDDED_MODEL_NAMES = ("smollm2-135m", QWEN_CODER)  # vllm_selfspec.assets.EMBEDDED_MODELS
 _ZERO_SKIP: dict[str, Any] = {}  # filled by resolve_model("zero") (the inserted layers)

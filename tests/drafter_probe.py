@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_selfspec.worker_ext import SelfSpecWorkerExtension
+from tests.pinned_costs import PinnedCostsExtension
 
 DRAFTER_PROBE_EXTENSION = "tests.drafter_probe.DrafterProbe"
 
 
-class DrafterProbe(SelfSpecWorkerExtension):
+class DrafterProbe(PinnedCostsExtension):
+    """Also pins step costs (:func:`tests.pinned_costs.pin_step_costs`)."""
+
     def memory_probe(self) -> dict[str, Any]:
         """Parameter storage and KV cache of this worker, and what its drafter holds."""
         runner = self.model_runner
@@ -27,10 +29,12 @@ class DrafterProbe(SelfSpecWorkerExtension):
             own = list(draft_model.parameters())
             out["drafter_own_params"] = len(own)
             out["drafter_layers"] = sorted(getattr(drafter, "_draft_attn_layer_names", ()))
-            out["target_layers"] = sorted(runner.vllm_config.compilation_config
-                                          .static_forward_context)
+            out["target_layers"] = sorted(
+                runner.vllm_config.compilation_config.static_forward_context
+            )
             out["compiled"] = not getattr(draft_model, "do_not_compile", True) and bool(
-                getattr(draft_model, "compiled", False))
+                getattr(draft_model, "compiled", False)
+            )
         return out
 
 

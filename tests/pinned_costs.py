@@ -50,11 +50,12 @@ class _PinnedRecorder:
 
 class PinnedCostsExtension(SelfSpecWorkerExtension):
     def selfspec_pin_step_costs(self, flat: list[float]) -> bool:
+        from vllm_selfspec.device_drafter import SelfSpecDeviceProposer
         from vllm_selfspec.proposer import SelfSpecProposer
         from vllm_selfspec.step_costs import StepCosts
 
         drafter = getattr(self.model_runner, "drafter", None)
-        if not isinstance(drafter, SelfSpecProposer):
+        if not isinstance(drafter, SelfSpecProposer | SelfSpecDeviceProposer):
             return False
         table = StepCosts.from_flat(flat)
         drafter._costs = _PinnedRecorder(table)

@@ -444,12 +444,13 @@ def test_device_drafter_defaults_to_fixed_k_and_a_static_set() -> None:
     assert (s.drafter, s.adaptive, s.layer_selection) == ("device", False, "static")
     host = resolve_settings({}, SMOL, 6)
     assert host.drafter == "host" and host.adaptive is True
+    adaptive = resolve_settings({"drafter": "device", "adaptive": True}, SMOL, 6)
+    assert (adaptive.drafter, adaptive.adaptive) == ("device", True)
 
 
 @pytest.mark.parametrize(
     ("extra", "match"),
     [
-        ({"adaptive": True}, "does not support adaptive"),
         ({"layer_selection": "online"}, "does not support layer_selection"),
         ({"skip_attention": list(range(30)), "skip_mlp": [1]}, "at least one attention"),
     ],

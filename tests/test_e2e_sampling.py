@@ -50,7 +50,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.engine_utils import engine, spec_metrics, token_ids
+from tests.engine_utils import drafter_stats, engine, spec_metrics, token_ids
 from tests.sampling_stats import mixture_power, point_mass_on_rank, position_p_values
 
 pytestmark = pytest.mark.engine
@@ -69,8 +69,14 @@ CONFIGS: dict[str, dict[str, float]] = {
 }
 ARGMAX_CONFIG = "t0.7"
 FAULTS = {"temperature": "t0.7", "full_model": "t0.3"}  # fault -> configuration it runs at
-# the device drafter (vLLM's draft-model machinery, "drafter": "device") at these configurations
-DEVICE_CONFIGS = ("t0.7", "top_p")
+# the device drafter (vLLM's draft-model machinery, "drafter": "device"): name -> (configuration,
+# adaptive). Its engine is adaptive with pinned step costs; the k-fixed runs switch adaptivity
+# off per request. Adaptive drafts are cut to planned budgets and at the confidence exit.
+DEVICE_CONFIGS = {
+    "t0.7": ("t0.7", False),
+    "top_p": ("top_p", False),
+    "t0.7 adaptive": ("t0.7", True),
+}
 # probabilistic drafts per configuration, argmax drafts, the device drafter's configurations
 NUM_EQUALITY_TESTS = len(CONFIGS) + 1 + len(DEVICE_CONFIGS)
 ALPHA_PER_TEST = ALPHA / (NUM_EQUALITY_TESTS * NEW_TOKENS)
@@ -95,12 +101,12 @@ def prompt():
     return TokensPrompt(prompt_token_ids=[5, 77, 301, 12, 96, 140, 33])
 
 
-def _sample(llm, prompt, config: str, seed_base: int) -> np.ndarray:
+def _sample(llm, prompt, config: str, seed_base: int, extra_args=None) -> np.ndarray:
     from vllm import SamplingParams
 
     params = [
         SamplingParams(max_tokens=NEW_TOKENS, seed=seed_base + i, ignore_eos=True,
-                       **CONFIGS[config])
+                       extra_args=extra_args, **CONFIGS[config])
         for i in range(NUM_SAMPLES)
     ]
     outputs = llm.generate([prompt] * NUM_SAMPLES, params, use_tqdm=False)
@@ -109,17 +115,19 @@ def _sample(llm, prompt, config: str, seed_base: int) -> np.ndarray:
     return samples
 
 
-def _sample_drafting(llm, prompt, config: str, seed_base: int) -> tuple[np.ndarray, dict]:
-    """Samples and the spec-decode counters of the block; asserts every draft slot was verified
-    and accepted at least once."""
+def _sample_drafting(
+    llm, prompt, config: str, seed_base: int, extra_args=None, every_slot: bool = True
+) -> tuple[np.ndarray, dict]:
+    """Samples and the spec-decode counters of the block; asserts drafts were verified and (with
+    ``every_slot``) every draft slot accepted at least once."""
     from vllm_selfspec.spec_metrics import counter_delta
 
     before = spec_metrics(llm)
-    samples = _sample(llm, prompt, config, seed_base)
+    samples = _sample(llm, prompt, config, seed_base, extra_args)
     counters = counter_delta(before, spec_metrics(llm))
     assert counters["num_drafts"] > 0 and counters["num_draft_tokens"] > 0, counters
     per_slot = counters["num_accepted_tokens_per_pos"]
-    assert len(per_slot) == K and min(per_slot) > 0, counters
+    assert len(per_slot) == K and (min(per_slot) > 0 or not every_slot), counters
     return samples, counters
 
 
@@ -190,11 +198,24 @@ def argmax(model_dir, prompt):
 
 @pytest.fixture(scope="module")
 def device(model_dir, prompt):
-    with engine(model_dir, {"method": "selfspec", **SKIP, "drafter": "device"}) as llm:
-        return {
-            config: _sample_drafting(llm, prompt, config, 20_000_000 * (i + 1))
-            for i, config in enumerate(DEVICE_CONFIGS)
-        }
+    from tests.pinned_costs import PINNED_COSTS_EXTENSION, pin_step_costs
+
+    spec = {"method": "selfspec", **SKIP, "drafter": "device", "adaptive": True}
+    with engine(model_dir, spec, worker_extension_cls=PINNED_COSTS_EXTENSION) as llm:
+        # cheap drafts: the controller drafts at this set's sampled acceptance
+        pin_step_costs(llm, draft_ratio=0.05)
+        out = {}
+        for i, (name, (config, adaptive)) in enumerate(DEVICE_CONFIGS.items()):
+            extra = None if adaptive else {"selfspec": {"adaptive": False}}
+            [before] = drafter_stats(llm)
+            out[name] = _sample_drafting(
+                llm, prompt, config, 20_000_000 * (i + 1), extra, every_slot=not adaptive
+            )
+            [after] = drafter_stats(llm)
+            out[name][1]["confidence_exits"] = (
+                after["confidence_exits"] - before["confidence_exits"]
+            )
+        return out
 
 
 def _min_p_value(a: np.ndarray, b: np.ndarray) -> float:
@@ -247,12 +268,16 @@ def test_probabilistic_drafts_keep_the_distribution(plain, probabilistic, config
     assert p > ALPHA_PER_TEST
 
 
-@pytest.mark.parametrize("config", DEVICE_CONFIGS)
-def test_device_drafter_keeps_the_distribution(plain, device, config):
+@pytest.mark.parametrize("name", list(DEVICE_CONFIGS))
+def test_device_drafter_keeps_the_distribution(plain, device, name):
     """The device drafter samples drafts with vLLM's draft sampler (temperature only, no top-p)
-    and hands their probabilities to vLLM's rejection sampler: the distribution is plain's."""
-    samples, counters = device[config]
-    print(f"device drafter {config}: acceptance {_acceptance(counters):.3f}")
+    and hands their probabilities to vLLM's rejection sampler: the distribution is plain's. The
+    adaptive run's drafts are cut at planned budgets and at the confidence exit (which fired)."""
+    config, adaptive = DEVICE_CONFIGS[name]
+    samples, counters = device[name]
+    print(f"device drafter {name}: acceptance {_acceptance(counters):.3f}, "
+          f"confidence exits {counters['confidence_exits']}")
+    assert (counters["confidence_exits"] > 0) == adaptive, counters
     assert _min_p_value(plain[config], samples) > ALPHA_PER_TEST
 
 

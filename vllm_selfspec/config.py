@@ -262,18 +262,12 @@ class SelfSpecSettings:
         _check_profile_out(self.online_profile_out, "online_profile_out")
         _check_drafter(self.drafter, "drafter")
         if self.drafter == "device":
-            unsupported = {
-                "adaptive": self.adaptive,
-                "layer_selection": self.layer_selection != "static",
-            }
-            for key, on in unsupported.items():
-                if on:
-                    raise SelfSpecConfigError(
-                        f"drafter 'device' (experimental) does not support {key}="
-                        f"{getattr(self, key)!r} yet: set {key} to "
-                        f"{'false' if key == 'adaptive' else repr('static')}, or use drafter "
-                        f"'host'"
-                    )
+            if self.layer_selection != "static":
+                raise SelfSpecConfigError(
+                    f"drafter 'device' (experimental) does not support layer_selection="
+                    f"{self.layer_selection!r} yet: set layer_selection to 'static', or use "
+                    f"drafter 'host'"
+                )
             if len(self.skip_attention) == n:
                 raise SelfSpecConfigError(
                     "drafter 'device' needs at least one attention sub-layer in the draft "
@@ -483,7 +477,7 @@ def resolve_settings(
         adaptive=(
             _check_bool(*pick("adaptive", DEFAULT_ADAPTIVE))
             if drafter == "host" or "adaptive" in given
-            else False  # the device drafter has no controller yet: fixed k unless asked
+            else False  # the device drafter drafts k fixed unless asked (adaptive: experimental)
         ),
         draft_confidence_threshold=_check_draft_confidence_threshold(
             *pick("draft_confidence_threshold", DEFAULT_DRAFT_CONFIDENCE_THRESHOLD)

@@ -24,17 +24,24 @@ Differences from vLLM's ``draft_model`` (each a method below, wrapping and deleg
   draft model's own cache, but in the target's it overwrote a request's first K/V (a wrong token
   was reproduced). vLLM hides this by switching drafting off for the whole batch near the end; we
   do not (see ``patches.patch_runner_input_fits_in_drafter``).
-* Per-request draft caps (``selfspec_num_speculative_tokens``) trim each request's drafts when the
-  engine core takes them.
+* Draft lengths are planned per request and step before the pass (the draft-length controller:
+  per-request caps, and with ``adaptive`` the acceptance- and cost-driven plan of the host
+  drafter). The pass runs the longest planned length for every row (none at all when every
+  budget is 0) and each request's drafts are trimmed to its budget, and with ``adaptive`` at the
+  Draft & Verify confidence exit, when the engine core takes them: one host read of the pass's
+  top-1 probabilities per step, where vLLM reads the drafts anyway. The exit saves verification
+  work, not draft forwards (the padded pass runs on; stopping it early would need a host sync per
+  draft token).
 
-Not yet on this path (the ``host`` drafter has them): the adaptive draft-length controller and the
-confidence exit, online layer selection, the ``vllm:selfspec_*`` metrics.
+Not yet on this path (the ``host`` drafter has them): online layer selection and the
+``vllm:selfspec_*`` metrics.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from typing import Any
 
 import torch
@@ -43,12 +50,15 @@ from vllm.compilation.decorators import support_torch_compile
 from vllm.v1.spec_decode.draft_model import DraftModelProposer
 
 from vllm_selfspec.config import SelfSpecSettings
+from vllm_selfspec.controller import ControllerConfig, DraftLengthController, request_overrides
+from vllm_selfspec.cost_feed import CostFeed
 from vllm_selfspec.patches import (
     ADDITIONAL_CONFIG_KEY,
     patch_runner_cpu_discarded_generators,
     patch_runner_input_fits_in_drafter,
 )
 from vllm_selfspec.skip_forward import LayerSkipForward, decoder_stack
+from vllm_selfspec.step_costs import StepCostRecorder
 
 logger = logging.getLogger("vllm.selfspec.device_drafter")
 
@@ -115,14 +125,36 @@ class SelfSpecDeviceProposer(DraftModelProposer):
         self._pending_rejected: torch.Tensor | None = None
         self._past_end = torch.zeros(self.max_batch_size, dtype=torch.bool, device=device)
         self._past_end_rows = torch.zeros((), dtype=torch.int64, device=device)
-        self.counters = {"draft_passes": 0, "trimmed_tokens": 0}
+        # Draft lengths: caps only (adaptive off), or the host drafter's adaptive controller.
+        self.controller = DraftLengthController(
+            ControllerConfig(
+                k_max=self.k_max,
+                adaptive=self.settings.adaptive,
+                initial_threshold=self.settings.draft_confidence_threshold,
+                target_acceptance=self.settings.target_acceptance,
+            )
+        )
+        self._costs = StepCostRecorder()
+        self._cost_feed = CostFeed(device)
+        self._budgets: dict[str, int] = {}  # this step's plan, read when the drafts are taken
+        self._step_confidences: list[torch.Tensor] = []  # per draft step, [batch] top-1 probs
+        self._kept_confidences: dict[str, list[float]] = {}  # of the drafts handed out
+        self._last_req_ids: list[str] = []
+        self._last_end: float | None = None
+        self._bad_override_warned: set[str] = set()
+        self.counters = {
+            "steps": 0,
+            "draft_passes": 0,
+            "passes_skipped": 0,  # every budget 0: no draft forward at all
+            "draft_forwards": 0,
+            "trimmed_tokens": 0,
+            "confidence_exits": 0,
+        }
         if runner is not None:
             patch_runner_input_fits_in_drafter(runner)
             patch_runner_cpu_discarded_generators(runner)
             _wrap_take_draft_token_ids(runner, self)
-        logger.info(
-            "selfspec device drafter: %s, k=%d", self.settings.describe(), self.k_max
-        )
+        logger.info("selfspec device drafter: %s, k=%d", self.settings.describe(), self.k_max)
 
     # --- model ------------------------------------------------------------------------------
 
@@ -150,13 +182,111 @@ class SelfSpecDeviceProposer(DraftModelProposer):
 
     # --- the pass ---------------------------------------------------------------------------
 
-    def propose(self, *args: Any, num_rejected_tokens_gpu: torch.Tensor | None = None,
-                **kwargs: Any) -> torch.Tensor:
-        # The first pass below places each request's token after its rejected slots itself, so
-        # the base loop must not subtract them again from the sequence lengths.
-        self._pending_rejected = num_rejected_tokens_gpu
-        self.counters["draft_passes"] += 1
-        return super().propose(*args, num_rejected_tokens_gpu=None, **kwargs)
+    def propose(
+        self, *args: Any, num_rejected_tokens_gpu: torch.Tensor | None = None, **kwargs: Any
+    ) -> torch.Tensor:
+        start = time.perf_counter()
+        req_ids = list(self.runner.input_batch.req_ids) if self.runner is not None else []
+        discarded = self._discarded(len(req_ids))
+        verified = self._observe_verification(req_ids, num_rejected_tokens_gpu)
+        # The gap since the previous pass is one verification step only while the same requests
+        # keep decoding (a changed batch means prefills or an idle engine in between).
+        if self._last_end is not None and req_ids == self._last_req_ids and not any(discarded):
+            self._costs.observe_verify(len(req_ids), verified, start - self._last_end)
+        self._last_req_ids = req_ids
+        self.counters["steps"] += 1
+        k_limit = int(kwargs.pop("num_speculative_tokens", self.k_max))
+        k_step = self._plan([r for r, d in zip(req_ids, discarded, strict=True) if not d], k_limit)
+        cad = kwargs["common_attn_metadata"]
+        self._step_confidences = []
+        if k_step == 0:
+            self.counters["passes_skipped"] += 1
+            self._last_draft_probs = None  # the runner reads it after every propose
+            drafts = torch.empty((cad.batch_size(), 0), dtype=torch.int64, device=self.device)
+        else:
+            # The first pass below places each request's token after its rejected slots itself,
+            # so the base loop must not subtract them again from the sequence lengths.
+            self._pending_rejected = num_rejected_tokens_gpu
+            self.counters["draft_passes"] += 1
+            self.counters["draft_forwards"] += k_step
+            drafts = super().propose(
+                *args, num_speculative_tokens=k_step, num_rejected_tokens_gpu=None, **kwargs
+            )
+            # CPU: the pass ran synchronously, so this is its time (one forward = its share)
+            self._costs.observe_draft(cad.batch_size(), (time.perf_counter() - start) / k_step)
+        self._cost_feed.step(self._costs, self.controller)
+        self._last_end = time.perf_counter()
+        return drafts
+
+    # --- draft lengths ----------------------------------------------------------------------
+
+    def _discarded(self, num_reqs: int) -> list[bool]:
+        """Per row of this step: a partial prefill (its sampled token is discarded, nothing to
+        plan for)."""
+        mask = getattr(getattr(self.runner, "discard_request_mask", None), "np", None)
+        if mask is None:
+            return [False] * num_reqs
+        return [bool(v) for v in mask[:num_reqs]]
+
+    def _observe_verification(self, req_ids: list[str], num_rejected: torch.Tensor | None) -> int:
+        """Feed the controller this step's verification of the drafts handed out last step
+        (drafted: what the scheduler scheduled; accepted: drafted minus vLLM's rejected count);
+        returns how many drafts were verified."""
+        confidences, self._kept_confidences = self._kept_confidences, {}
+        total = 0
+        if num_rejected is not None and req_ids:
+            rejected = num_rejected[: len(req_ids)].tolist()  # one read per step
+            scheduled = self.runner.input_batch.spec_token_ids
+            for row, req_id in enumerate(req_ids):
+                drafted = sum(1 for t in scheduled[row] if t >= 0)
+                if not drafted:
+                    continue
+                total += drafted
+                self.controller.observe_verification(
+                    req_id,
+                    drafted=drafted,
+                    accepted=drafted - int(rejected[row]),
+                    confidences=confidences.get(req_id, [])[:drafted],
+                )
+        self.controller.retain(req_ids)
+        return total
+
+    def _plan(self, req_ids: list[str], k_limit: int) -> int:
+        """Budgets of this step's decoding requests (kept for :meth:`trim`; the others get none);
+        returns the pass length."""
+        overrides = {}
+        for req_id in req_ids:
+            override = self._overrides(req_id)
+            if override:
+                overrides[req_id] = override
+        budgets = self.controller.plan(req_ids, overrides=overrides)
+        self._budgets = dict(zip(req_ids, budgets, strict=True))
+        return max(0, min(max(budgets, default=0), k_limit, self.k_max))
+
+    def _overrides(self, req_id: str) -> dict[str, Any] | None:
+        state = self.runner.requests.get(req_id) if self.runner is not None else None
+        params = getattr(state, "sampling_params", None)
+        try:
+            return request_overrides(getattr(params, "extra_args", None), self.k_max)
+        except ValueError as exc:  # refused at arrival by the front end; never fail a request
+            if req_id not in self._bad_override_warned:
+                self._bad_override_warned.add(req_id)
+                logger.warning("request %s: ignoring extra_args['selfspec']: %s", req_id, exc)
+            return None
+
+    def _sample_draft_tokens(self, hidden_states: torch.Tensor, sampling_metadata: Any) -> Any:
+        """vLLM's draft sampling, plus each row's top-1 probability of the drafted token (the
+        confidence exit's input) when the controller adapts."""
+        if not self.settings.adaptive:
+            return super()._sample_draft_tokens(hidden_states, sampling_metadata)
+        logits = self.model.compute_logits(hidden_states)
+        tokens, probs = self._sample_from_logits(logits, sampling_metadata)
+        if probs is None:  # argmax drafts: the drafted token is the most likely one
+            confidence = torch.softmax(logits.float(), dim=-1).amax(dim=-1)
+        else:
+            confidence = probs.gather(1, tokens.view(-1, 1).long()).squeeze(1).float()
+        self._step_confidences.append(confidence)
+        return tokens, probs
 
     def set_inputs_first_pass(
         self,
@@ -178,9 +308,10 @@ class SelfSpecDeviceProposer(DraftModelProposer):
         past_end = positions >= self.max_model_len
         self._past_end[:batch] = past_end
         positions = positions.masked_fill(past_end, 0)
-        block = cad.block_table_tensor[torch.arange(batch, device=positions.device),
-                                       positions // self.block_size]
-        slots = (block.to(torch.int64) * self.block_size + positions % self.block_size)
+        block = cad.block_table_tensor[
+            torch.arange(batch, device=positions.device), positions // self.block_size
+        ]
+        slots = block.to(torch.int64) * self.block_size + positions % self.block_size
         slots = slots.masked_fill(past_end, PADDING_SLOT_ID)
         self.input_ids[:batch] = next_token_ids[:batch].to(self.input_ids.dtype)
         self._set_positions(batch, positions)
@@ -224,34 +355,41 @@ class SelfSpecDeviceProposer(DraftModelProposer):
 
     # --- per-request caps -------------------------------------------------------------------
 
-    def request_cap(self, req_id: str) -> int:
-        """The request's draft cap (its ``num_speculative_tokens`` override, else ``k``)."""
-        from vllm_selfspec.controller import request_overrides
-
-        state = self.runner.requests.get(req_id) if self.runner is not None else None
-        params = getattr(state, "sampling_params", None)
-        try:
-            overrides = request_overrides(getattr(params, "extra_args", None), self.k_max)
-        except ValueError:  # refused at arrival by the front end; never fail a running request
-            overrides = None
-        return int((overrides or {}).get("num_speculative_tokens", self.k_max))
-
     def trim(self, req_ids: list[str], drafts: list[list[int]]) -> list[list[int]]:
+        """Each request's drafts cut to its planned budget and, with ``adaptive``, after the
+        first draft below its confidence-exit threshold (Draft & Verify)."""
+        confidences = (
+            torch.stack(self._step_confidences, dim=1).tolist() if self._step_confidences else None
+        )
         out = []
-        for req_id, tokens in zip(req_ids, drafts, strict=True):
-            cap = self.request_cap(req_id)
-            if cap < len(tokens):
-                self.counters["trimmed_tokens"] += len(tokens) - cap
-                tokens = tokens[:cap]
-            out.append(tokens)
+        for row, (req_id, tokens) in enumerate(zip(req_ids, drafts, strict=True)):
+            budget = min(self._budgets.get(req_id, 0), len(tokens))
+            keep = budget
+            if confidences is not None:
+                conf = confidences[row]
+                for j in range(budget):
+                    if self.controller.should_stop(req_id, conf[j]):
+                        keep = j + 1
+                        break
+                if keep < budget:
+                    self.counters["confidence_exits"] += 1
+                self._kept_confidences[req_id] = conf[:keep]
+            self.counters["trimmed_tokens"] += len(tokens) - keep
+            out.append(tokens[:keep])
         return out
 
     def stats(self) -> dict[str, Any]:
+        costs = self._costs.snapshot()
+        batch = max(1, len(self._last_req_ids))
         return {
             "drafter": "device",
             **self.counters,
             # draft rows stopped at max_model_len (they write nothing past it)
             "rows_past_end": int(self._past_end_rows.item()),
+            "controller": self.controller.stats(),
+            "draft_cost_s": float(costs.draft_cost(batch, batch)) if costs.draft else None,
+            "plain_step_s": costs.plain_cost(batch) if costs.has_plain(batch) else None,
+            "k_max": self.k_max,
         }
 
 

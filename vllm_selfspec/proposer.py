@@ -26,6 +26,7 @@ import torch
 
 from vllm_selfspec.config import SelfSpecSettings
 from vllm_selfspec.controller import ControllerConfig, DraftLengthController
+from vllm_selfspec.cost_feed import CostFeed
 from vllm_selfspec.errors import SelfSpecConfigError
 from vllm_selfspec.patches import (
     ADDITIONAL_CONFIG_KEY,
@@ -33,12 +34,10 @@ from vllm_selfspec.patches import (
     patch_runner_input_fits_in_drafter,
 )
 from vllm_selfspec.skip_forward import LayerSkipForward
-from vllm_selfspec.step_costs import StepCostRecorder, StepCosts
+from vllm_selfspec.step_costs import StepCostRecorder
 
 logger = logging.getLogger("vllm.selfspec.proposer")
 
-_COST_SYNC_INTERVAL = 16  # steps between (TP-synchronised) cost updates of the controller
-_MAX_COST_ENTRIES = 1024  # cost-table entries broadcast over TP (a fixed-size tensor)
 _DRAFT_SEED = 0x5E1F5BEC
 
 
@@ -99,12 +98,11 @@ class SelfSpecProposer:
 
         self._target: torch.nn.Module | None = None
         self._forward: LayerSkipForward | None = None
-        self._tp_world_size, self._tp_rank = _tp_world()
+        self._cost_feed = CostFeed(self.device)
+        self._tp_world_size, self._tp_rank = self._cost_feed.world_size, self._cost_feed.rank
         self._last_propose_end: float | None = None
         self._last_req_ids: list[str] = []
         self._costs = StepCostRecorder()
-        self._steps_since_cost_sync = 0
-        self._synced_keys = 0
         self._draft_confidences: dict[str, list[float]] = {}
         self._next_log = time.monotonic() + _log_interval()
         self._bad_override_warned: set[str] = set()
@@ -457,26 +455,8 @@ class SelfSpecProposer:
     # --- costs, logging, introspection -----------------------------------------------------------
 
     def _update_costs(self) -> None:
-        """Hand the controller the measured cost table (rank 0's on every tensor-parallel rank:
-        every rank must take the same decisions) as soon as it gains an entry, and every
-        ``_COST_SYNC_INTERVAL`` steps for the medians' drift. A new entry is what a plan at a
-        new batch size waits for; the event is the same on every rank (sample counts are)."""
-        self._steps_since_cost_sync += 1
-        ready = self._costs.ready_keys
-        if self._steps_since_cost_sync < _COST_SYNC_INTERVAL and ready == self._synced_keys:
-            return
-        self._steps_since_cost_sync = 0
-        self._synced_keys = ready
-        flat = self._costs.snapshot().to_flat()
-        if self._tp_world_size > 1:
-            from vllm.distributed import get_tp_group
-
-            buf = torch.full((4 * _MAX_COST_ENTRIES,), -1.0, dtype=torch.float64)
-            n = min(len(flat), buf.numel())
-            buf[:n] = torch.tensor(flat[:n], dtype=torch.float64)
-            buf = get_tp_group().broadcast(buf.to(self.device), src=0)
-            flat = buf.cpu().tolist()
-        self.controller.set_step_costs(StepCosts.from_flat(flat))
+        """Hand the controller the measured cost table (rank 0's on every TP rank)."""
+        self._cost_feed.step(self._costs, self.controller)
 
     @property
     def step_cost_s(self) -> float | None:
@@ -543,13 +523,3 @@ def _log_interval() -> float:
         return float(envs.VLLM_LOG_STATS_INTERVAL)
     except Exception:  # pragma: no cover - older/newer vLLM
         return 10.0
-
-
-def _tp_world() -> tuple[int, int]:
-    try:
-        from vllm.distributed import get_tp_group
-
-        group = get_tp_group()
-        return group.world_size, group.rank_in_group
-    except Exception:  # not initialised (unit tests)
-        return 1, 0
