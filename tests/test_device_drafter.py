@@ -203,6 +203,17 @@ def test_argmax_drafts_through_the_rejection_sampler(dev, reference):
     assert _drafted(window, exact=False)["num_accepted_tokens"] > 0
 
 
+def test_plugin_metrics_exported(dev):
+    """The ``vllm:selfspec_*`` metrics come from the scheduler's stats: the device engines export
+    them as the host ones do (mean draft length within 1..k after the tests above)."""
+    kind, llm = dev
+    metrics = llm.get_metrics()
+    names = {m.name for m in metrics}
+    assert {"vllm:selfspec_mean_draft_length", "vllm:selfspec_requests_drafting_off"} <= names
+    mean = sum(m.value for m in metrics if m.name == "vllm:selfspec_mean_draft_length")
+    assert 1.0 <= mean <= SETS[kind][0]["num_speculative_tokens"], mean
+
+
 def test_no_extra_weights_or_kv_cache(dev, reference):
     """The drafter loads no weights and allocates no KV cache: parameter storage and KV cache
     tensors equal the plain engine's; its attention layers are the target's non-skipped ones."""

@@ -33,8 +33,7 @@ Differences from vLLM's ``draft_model`` (each a method below, wrapping and deleg
   work, not draft forwards (the padded pass runs on; stopping it early would need a host sync per
   draft token).
 
-Not yet on this path (the ``host`` drafter has them): online layer selection and the
-``vllm:selfspec_*`` metrics.
+Not yet on this path (the ``host`` drafter has it): online layer selection.
 """
 
 from __future__ import annotations

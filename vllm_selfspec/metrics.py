@@ -197,9 +197,10 @@ def install() -> None:
 
     def __init__(self, vllm_config, *args, **kwargs):
         original(self, vllm_config, *args, **kwargs)
-        from vllm_selfspec.patches import is_selfspec_config
+        from vllm_selfspec.patches import is_selfspec_config, wants_device_drafter
 
-        if not is_selfspec_config(getattr(vllm_config, "speculative_config", None)):
+        spec = getattr(vllm_config, "speculative_config", None)
+        if not (is_selfspec_config(spec) or wants_device_drafter(vllm_config)):
             return
         try:
             self.stat_loggers.append(SelfSpecStatLogger(vllm_config, self.engine_indexes))
