@@ -12,7 +12,8 @@ weight is loaded or copied.
 
 A selfspec engine asking for this drafter is configured as vLLM's ``draft_model`` method with the
 target as the draft model (:mod:`vllm_selfspec.engine_config`); :func:`vllm_selfspec.patches.
-install_device_drafter` swaps this class in for ``DraftModelProposer`` on those engines' runners.
+install_device_drafter` has those engines' runners build this class where vLLM builds its
+``DraftModelProposer``.
 
 Differences from vLLM's ``draft_model`` (each a method below, wrapping and delegating):
 
@@ -55,6 +56,7 @@ from vllm_selfspec.patches import (
     ADDITIONAL_CONFIG_KEY,
     patch_runner_cpu_discarded_generators,
     patch_runner_input_fits_in_drafter,
+    patch_runner_take_draft_token_ids,
 )
 from vllm_selfspec.skip_forward import LayerSkipForward, decoder_stack
 from vllm_selfspec.step_costs import StepCostRecorder
@@ -152,7 +154,7 @@ class SelfSpecDeviceProposer(DraftModelProposer):
         if runner is not None:
             patch_runner_input_fits_in_drafter(runner)
             patch_runner_cpu_discarded_generators(runner)
-            _wrap_take_draft_token_ids(runner, self)
+            patch_runner_take_draft_token_ids(runner, self.trim)
         logger.info("selfspec device drafter: %s, k=%d", self.settings.describe(), self.k_max)
 
     # --- model ------------------------------------------------------------------------------
@@ -390,23 +392,3 @@ class SelfSpecDeviceProposer(DraftModelProposer):
             "plain_step_s": costs.plain_cost(batch) if costs.has_plain(batch) else None,
             "k_max": self.k_max,
         }
-
-
-def _wrap_take_draft_token_ids(runner: Any, proposer: SelfSpecDeviceProposer) -> None:
-    """Instance wrap of ``runner.take_draft_token_ids``: each request's drafts trimmed to its cap
-    when the engine core takes them (the draft pass drafts the batch's ``k`` for every row)."""
-    original = runner.take_draft_token_ids
-    if getattr(original, "_selfspec_trim", False):
-        return
-
-    def take_draft_token_ids() -> Any:
-        result = original()
-        if result is None:
-            return None
-        return dataclasses.replace(
-            result, draft_token_ids=proposer.trim(result.req_ids, result.draft_token_ids)
-        )
-
-    take_draft_token_ids._selfspec_trim = True  # type: ignore[attr-defined]
-    take_draft_token_ids.__wrapped__ = original  # type: ignore[attr-defined]
-    runner.take_draft_token_ids = take_draft_token_ids

@@ -53,13 +53,18 @@ behaviour of an engine that did not ask for ``"method": "selfspec"``.
    ``vllm.v1.worker.gpu_model_runner`` is first imported): a selfspec engine with
    ``"drafter": "device"`` runs as vLLM's ``draft_model`` method with the target as the draft
    model, and vLLM's runner would build a ``DraftModelProposer`` that loads a second copy of the
-   weights and KV cache. The wrapper delegates, then replaces that proposer by
+   weights and KV cache. On those engines only, the wrapper delegates with the runner module's
+   ``DraftModelProposer`` name pointing to
    :class:`vllm_selfspec.device_drafter.SelfSpecDeviceProposer` (a subclass, so every runner
-   gate for ``draft_model`` passes) on those engines only.
+   gate for ``draft_model`` passes), so that vLLM builds ours in its place; a runner that built
+   something else is refused at start. With it, the drafter wraps its runner's
+   ``take_draft_token_ids`` (:func:`patch_runner_take_draft_token_ids`): per-request draft
+   lengths and the confidence exit cut drafts where vLLM moves them to the host.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.abc
 import importlib.util
@@ -504,6 +509,10 @@ class _PatchAfterImport(importlib.abc.MetaPathFinder):
 
 
 def _patch_runner_init(module: Any) -> None:
+    """Device-drafter engines get :class:`~vllm_selfspec.device_drafter.SelfSpecDeviceProposer`
+    where vLLM builds its ``DraftModelProposer``: the runner module's name for that class points
+    to ours while the runner's own constructor runs (one proposer built, not vLLM's and then
+    ours). Other engines are untouched."""
     cls = module.GPUModelRunner
     original = cls.__init__
     if getattr(original, _SENTINEL, False):
@@ -511,11 +520,43 @@ def _patch_runner_init(module: Any) -> None:
 
     @functools.wraps(original)
     def __init__(self, vllm_config, *args, **kwargs):
-        original(self, vllm_config, *args, **kwargs)
-        if wants_device_drafter(vllm_config) and hasattr(self, "drafter"):
-            from vllm_selfspec.device_drafter import SelfSpecDeviceProposer
+        if not wants_device_drafter(vllm_config):
+            return original(self, vllm_config, *args, **kwargs)
+        from vllm_selfspec.device_drafter import SelfSpecDeviceProposer
 
-            self.drafter = SelfSpecDeviceProposer(vllm_config, self.device, self)
+        vllm_class = module.DraftModelProposer
+        module.DraftModelProposer = SelfSpecDeviceProposer
+        try:
+            original(self, vllm_config, *args, **kwargs)
+        finally:
+            module.DraftModelProposer = vllm_class
+        if not isinstance(getattr(self, "drafter", None), SelfSpecDeviceProposer):
+            raise RuntimeError(
+                "selfspec: vLLM's model runner did not build the device drafter (this vLLM "
+                "version builds its draft-model proposer elsewhere); use drafter 'host'"
+            )
 
     setattr(__init__, _SENTINEL, True)
     cls.__init__ = __init__
+
+
+def patch_runner_take_draft_token_ids(runner: Any, trim: Any) -> None:
+    """Instance wrap of ``runner.take_draft_token_ids`` (device drafter): each request's drafts
+    go through ``trim(req_ids, drafts)`` when the engine core takes them. The padded draft pass
+    drafts the same length for every row; this is where per-request budgets and the confidence
+    exit cut them, at the point vLLM moves drafts to the host anyway."""
+    original = runner.take_draft_token_ids
+    if getattr(original, _SENTINEL, False):
+        return
+
+    def take_draft_token_ids() -> Any:
+        result = original()
+        if result is None:
+            return None
+        return dataclasses.replace(
+            result, draft_token_ids=trim(result.req_ids, result.draft_token_ids)
+        )
+
+    setattr(take_draft_token_ids, _SENTINEL, True)
+    take_draft_token_ids.__wrapped__ = original  # type: ignore[attr-defined]
+    runner.take_draft_token_ids = take_draft_token_ids
