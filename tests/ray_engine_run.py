@@ -97,7 +97,12 @@ class ProbeExtension(SelfSpecWorkerExtension):
             "platform": type(current_platform).__name__,
             "ray_device_key": current_platform.ray_device_key,
             "in_ray_actor": _in_ray_actor(),
-            "tp_rank": getattr(getattr(self.model_runner, "drafter", None), "_tp_rank", None),
+            # the rank the drafter's TP-synchronised cost feed runs as (both drafters have one)
+            "tp_rank": getattr(
+                getattr(getattr(self.model_runner, "drafter", None), "_cost_feed", None),
+                "rank",
+                None,
+            ),
         }
 
 
