@@ -585,3 +585,48 @@ def test_restart_acceptance_after_the_draft_changed() -> None:
     assert ctl.plan(["x"]) == [0]
     ctl.restart_acceptance(None)
     assert ctl.engine_acceptance() == pytest.approx(ctl.config.prior_acceptance)
+
+
+def test_for_settings_takes_the_drafters_settings():
+    from types import SimpleNamespace
+
+    settings = SimpleNamespace(adaptive=False, draft_confidence_threshold=0.4,
+                               target_acceptance=0.8)
+    c = DraftLengthController.for_settings(settings, 5)
+    assert (c.config.k_max, c.config.adaptive) == (5, False)
+    assert (c.config.initial_threshold, c.config.target_acceptance) == (0.4, 0.8)
+
+
+def test_running_request_overrides_never_fail_a_request():
+    """A running request's overrides as both drafters read them: valid ones parsed, invalid
+    ones (refused at arrival, so only reachable by a bypass) give None and one warning."""
+    from types import SimpleNamespace
+
+    from vllm_selfspec.controller import running_request_overrides
+
+    def state(extra):
+        return SimpleNamespace(sampling_params=SimpleNamespace(extra_args=extra))
+
+    runner = SimpleNamespace(requests={
+        "ok": state({"selfspec": {"num_speculative_tokens": 2}}),
+        "bad": state({"selfspec": {"num_speculative_tokens": 99}}),
+        "none": state(None),
+    })
+    warned: set[str] = set()
+    assert running_request_overrides(runner, "ok", 4, warned) == {"num_speculative_tokens": 2}
+    assert running_request_overrides(runner, "none", 4, warned) is None
+    assert running_request_overrides(runner, "gone", 4, warned) is None
+    import logging
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append  # type: ignore[method-assign]
+    log = logging.getLogger("vllm.selfspec.controller")  # vLLM may stop propagation to root
+    log.addHandler(handler)
+    try:
+        assert running_request_overrides(runner, "bad", 4, warned) is None
+        assert running_request_overrides(runner, "bad", 4, warned) is None
+    finally:
+        log.removeHandler(handler)
+    assert warned == {"bad"}
+    assert sum("ignoring extra_args" in r.getMessage() for r in records) == 1

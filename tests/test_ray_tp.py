@@ -54,6 +54,17 @@ def _run(model_dir, out: Path, *extra: str, env: dict[str, str] | None = None) -
     return json.loads(out.read_text())
 
 
+def _run_ray_tp2(model_dir, tmp_path: Path, spec: dict, v2: str) -> dict:
+    """A TP=2 engine over Ray through the shim (``v2``: VLLM_USE_RAY_V2_EXECUTOR_BACKEND)."""
+    from tests.ray_cpu_shim import shim_env, write_distribution
+
+    shim = write_distribution(tmp_path / "shim")
+    env = {**shim_env(shim, REPO), "VLLM_CPU_OMP_THREADS_BIND": "0|1",
+           "RAY_USAGE_STATS_ENABLED": "0", "VLLM_USE_RAY_V2_EXECUTOR_BACKEND": v2}
+    return _run(model_dir, tmp_path / "ray_tp2.json", "--tp", "2", "--backend", "ray",
+                "--start-ray", "--spec", json.dumps(spec), env=env)
+
+
 @pytest.fixture(scope="module")
 def model_dir():
     from vllm_selfspec.testing.tiny_models import tiny_model_dir
@@ -73,15 +84,11 @@ def reference(model_dir, tmp_path_factory):
 def test_ray_tp2_selfspec_matches_tp1(model_dir, reference, tmp_path, v2):
     from vllm.platforms.cpu import CpuPlatform
 
-    from tests.ray_cpu_shim import RAY_DEVICE_KEY, shim_env, write_distribution
+    from tests.ray_cpu_shim import RAY_DEVICE_KEY
 
     # why the shim exists: vLLM's own CPU platform has no Ray resource key (Ray is refused)
     assert CpuPlatform.ray_device_key == ""
-    shim = write_distribution(tmp_path / "shim")
-    env = {**shim_env(shim, REPO), "VLLM_CPU_OMP_THREADS_BIND": "0|1",
-           "RAY_USAGE_STATS_ENABLED": "0", "VLLM_USE_RAY_V2_EXECUTOR_BACKEND": v2}
-    got = _run(model_dir, tmp_path / "ray_tp2.json", "--tp", "2", "--backend", "ray",
-               "--start-ray", "--spec", json.dumps(SPEC), env=env)
+    got = _run_ray_tp2(model_dir, tmp_path, SPEC, v2)
     print(f"\nray tp2: start {got['start_s']:.0f} s, generate {got['generate_s']:.1f} s; "
           f"workers {got['workers']}; spec metrics {got['spec_metrics']}")
 

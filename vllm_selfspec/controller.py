@@ -143,6 +143,24 @@ def request_overrides(
     return validate_request_overrides(raw, k_max=k_max)
 
 
+def running_request_overrides(
+    runner: Any, req_id: str, k_max: int, warned: set[str]
+) -> dict[str, Any] | None:
+    """The overrides of a request the model runner holds (``runner.requests[req_id]``'s
+    ``sampling_params.extra_args``). Invalid ones were refused when the request arrived; should
+    any reach a drafter, it drafts with the defaults and logs once per request (in ``warned``)
+    rather than fail a running request."""
+    state = runner.requests.get(req_id) if runner is not None else None
+    params = getattr(state, "sampling_params", None)
+    try:
+        return request_overrides(getattr(params, "extra_args", None), k_max)
+    except ValueError as exc:
+        if req_id not in warned:
+            warned.add(req_id)
+            logger.warning("request %s: ignoring extra_args['selfspec']: %s", req_id, exc)
+        return None
+
+
 def validate_request_overrides(
     overrides: Mapping[str, Any] | None, k_max: int | None = None
 ) -> dict[str, Any]:
@@ -305,6 +323,19 @@ class DraftLengthController:
         self._cal_try = np.zeros(config.calibration_bins)
         self._cal_acc = np.zeros(config.calibration_bins)
         self._exit_floor = 1.0
+
+    @classmethod
+    def for_settings(cls, settings: Any, k_max: int) -> DraftLengthController:
+        """The controller of a drafter with these ``SelfSpecSettings`` (adaptive, exit threshold,
+        target acceptance; Draft & Verify's constants otherwise)."""
+        return cls(
+            ControllerConfig(
+                k_max=k_max,
+                adaptive=settings.adaptive,
+                initial_threshold=settings.draft_confidence_threshold,
+                target_acceptance=settings.target_acceptance,
+            )
+        )
 
     def engine_acceptance(self) -> float:
         """Engine-wide per-token acceptance estimate (a new request's prior);

@@ -50,7 +50,7 @@ from vllm.compilation.decorators import support_torch_compile
 from vllm.v1.spec_decode.draft_model import DraftModelProposer
 
 from vllm_selfspec.config import SelfSpecSettings
-from vllm_selfspec.controller import ControllerConfig, DraftLengthController, request_overrides
+from vllm_selfspec.controller import DraftLengthController, running_request_overrides
 from vllm_selfspec.cost_feed import CostFeed
 from vllm_selfspec.patches import (
     ADDITIONAL_CONFIG_KEY,
@@ -127,14 +127,7 @@ class SelfSpecDeviceProposer(DraftModelProposer):
         self._past_end = torch.zeros(self.max_batch_size, dtype=torch.bool, device=device)
         self._past_end_rows = torch.zeros((), dtype=torch.int64, device=device)
         # Draft lengths: caps only (adaptive off), or the host drafter's adaptive controller.
-        self.controller = DraftLengthController(
-            ControllerConfig(
-                k_max=self.k_max,
-                adaptive=self.settings.adaptive,
-                initial_threshold=self.settings.draft_confidence_threshold,
-                target_acceptance=self.settings.target_acceptance,
-            )
-        )
+        self.controller = DraftLengthController.for_settings(self.settings, self.k_max)
         self._costs = StepCostRecorder()
         self._cost_feed = CostFeed(device)
         self._budgets: dict[str, int] = {}  # this step's plan, read when the drafts are taken
@@ -265,15 +258,7 @@ class SelfSpecDeviceProposer(DraftModelProposer):
         return max(0, min(max(budgets, default=0), k_limit, self.k_max))
 
     def _overrides(self, req_id: str) -> dict[str, Any] | None:
-        state = self.runner.requests.get(req_id) if self.runner is not None else None
-        params = getattr(state, "sampling_params", None)
-        try:
-            return request_overrides(getattr(params, "extra_args", None), self.k_max)
-        except ValueError as exc:  # refused at arrival by the front end; never fail a request
-            if req_id not in self._bad_override_warned:
-                self._bad_override_warned.add(req_id)
-                logger.warning("request %s: ignoring extra_args['selfspec']: %s", req_id, exc)
-            return None
+        return running_request_overrides(self.runner, req_id, self.k_max, self._bad_override_warned)
 
     def _sample_draft_tokens(self, hidden_states: torch.Tensor, sampling_metadata: Any) -> Any:
         """vLLM's draft sampling, plus each row's top-1 probability of the drafted token (the

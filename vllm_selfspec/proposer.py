@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from vllm_selfspec.config import SelfSpecSettings
-from vllm_selfspec.controller import ControllerConfig, DraftLengthController
+from vllm_selfspec.controller import DraftLengthController, running_request_overrides
 from vllm_selfspec.cost_feed import CostFeed
 from vllm_selfspec.errors import SelfSpecConfigError
 from vllm_selfspec.patches import (
@@ -84,14 +84,7 @@ class SelfSpecProposer:
         patch_runner_input_fits_in_drafter(self.runner)
         patch_runner_cpu_discarded_generators(self.runner)
         self.device = self.runner.device
-        self.controller = DraftLengthController(
-            ControllerConfig(
-                k_max=self.k_max,
-                adaptive=self.settings.adaptive,
-                initial_threshold=self.settings.draft_confidence_threshold,
-                target_acceptance=self.settings.target_acceptance,
-            )
-        )
+        self.controller = DraftLengthController.for_settings(self.settings, self.k_max)
         # Same seed on every TP rank: probabilistic drafts stay identical across ranks.
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(_DRAFT_SEED)
@@ -206,17 +199,7 @@ class SelfSpecProposer:
         return total
 
     def _request_overrides(self, req_id: str) -> dict[str, Any] | None:
-        from vllm_selfspec.controller import request_overrides
-
-        state = self.runner.requests.get(req_id)
-        params = getattr(state, "sampling_params", None)
-        try:
-            return request_overrides(getattr(params, "extra_args", None), k_max=self.k_max)
-        except ValueError as exc:  # never fail a running request: draft with the defaults
-            if req_id not in self._bad_override_warned:
-                self._bad_override_warned.add(req_id)
-                logger.warning("request %s: ignoring extra_args['selfspec']: %s", req_id, exc)
-            return None
+        return running_request_overrides(self.runner, req_id, self.k_max, self._bad_override_warned)
 
     def _plan(
         self, req_ids: list[str], sampled: list[list[int]], num_tokens_no_spec: np.ndarray
