@@ -599,7 +599,7 @@ def test_for_settings_takes_the_drafters_settings():
 
 def test_running_request_overrides_never_fail_a_request():
     """A running request's overrides as both drafters read them: valid ones parsed, invalid
-    ones (refused at arrival, so only reachable by a bypass) give None and one warning."""
+    ones (refused at arrival, so only reachable by a bypass) are left out with one warning."""
     from types import SimpleNamespace
 
     from vllm_selfspec.controller import running_request_overrides
@@ -613,9 +613,9 @@ def test_running_request_overrides_never_fail_a_request():
         "none": state(None),
     })
     warned: set[str] = set()
-    assert running_request_overrides(runner, "ok", 4, warned) == {"num_speculative_tokens": 2}
-    assert running_request_overrides(runner, "none", 4, warned) is None
-    assert running_request_overrides(runner, "gone", 4, warned) is None
+    assert running_request_overrides(runner, ["ok", "none", "gone"], 4, warned) == {
+        "ok": {"num_speculative_tokens": 2}
+    }
     import logging
 
     records: list[logging.LogRecord] = []
@@ -624,8 +624,10 @@ def test_running_request_overrides_never_fail_a_request():
     log = logging.getLogger("vllm.selfspec.controller")  # vLLM may stop propagation to root
     log.addHandler(handler)
     try:
-        assert running_request_overrides(runner, "bad", 4, warned) is None
-        assert running_request_overrides(runner, "bad", 4, warned) is None
+        assert running_request_overrides(runner, ["bad", "ok"], 4, warned) == {
+            "ok": {"num_speculative_tokens": 2}
+        }
+        assert running_request_overrides(runner, ["bad"], 4, warned) == {}
     finally:
         log.removeHandler(handler)
     assert warned == {"bad"}

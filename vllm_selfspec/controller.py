@@ -144,21 +144,26 @@ def request_overrides(
 
 
 def running_request_overrides(
-    runner: Any, req_id: str, k_max: int, warned: set[str]
-) -> dict[str, Any] | None:
-    """The overrides of a request the model runner holds (``runner.requests[req_id]``'s
-    ``sampling_params.extra_args``). Invalid ones were refused when the request arrived; should
-    any reach a drafter, it drafts with the defaults and logs once per request (in ``warned``)
-    rather than fail a running request."""
-    state = runner.requests.get(req_id) if runner is not None else None
-    params = getattr(state, "sampling_params", None)
-    try:
-        return request_overrides(getattr(params, "extra_args", None), k_max)
-    except ValueError as exc:
-        if req_id not in warned:
-            warned.add(req_id)
-            logger.warning("request %s: ignoring extra_args['selfspec']: %s", req_id, exc)
-        return None
+    runner: Any, req_ids: Iterable[str], k_max: int, warned: set[str]
+) -> dict[str, dict[str, Any]]:
+    """The overrides of requests the model runner holds (``runner.requests[req_id]``'s
+    ``sampling_params.extra_args``), by request id; requests without any are left out. Invalid
+    ones were refused when the request arrived; should any reach a drafter, it drafts with the
+    defaults and logs once per request (in ``warned``) rather than fail a running request."""
+    out: dict[str, dict[str, Any]] = {}
+    for req_id in req_ids:
+        state = runner.requests.get(req_id) if runner is not None else None
+        params = getattr(state, "sampling_params", None)
+        try:
+            overrides = request_overrides(getattr(params, "extra_args", None), k_max)
+        except ValueError as exc:
+            if req_id not in warned:
+                warned.add(req_id)
+                logger.warning("request %s: ignoring extra_args['selfspec']: %s", req_id, exc)
+            continue
+        if overrides:
+            out[req_id] = overrides
+    return out
 
 
 def validate_request_overrides(

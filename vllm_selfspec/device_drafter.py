@@ -248,17 +248,12 @@ class SelfSpecDeviceProposer(DraftModelProposer):
     def _plan(self, req_ids: list[str], k_limit: int) -> int:
         """Budgets of this step's decoding requests (kept for :meth:`trim`; the others get none);
         returns the pass length."""
-        overrides = {}
-        for req_id in req_ids:
-            override = self._overrides(req_id)
-            if override:
-                overrides[req_id] = override
+        overrides = running_request_overrides(
+            self.runner, req_ids, self.k_max, self._bad_override_warned
+        )
         budgets = self.controller.plan(req_ids, overrides=overrides)
         self._budgets = dict(zip(req_ids, budgets, strict=True))
         return max(0, min(max(budgets, default=0), k_limit, self.k_max))
-
-    def _overrides(self, req_id: str) -> dict[str, Any] | None:
-        return running_request_overrides(self.runner, req_id, self.k_max, self._bad_override_warned)
 
     def _sample_draft_tokens(self, hidden_states: torch.Tensor, sampling_metadata: Any) -> Any:
         """vLLM's draft sampling, plus each row's top-1 probability of the drafted token (the

@@ -198,9 +198,6 @@ class SelfSpecProposer:
         self.controller.retain(req_ids)
         return total
 
-    def _request_overrides(self, req_id: str) -> dict[str, Any] | None:
-        return running_request_overrides(self.runner, req_id, self.k_max, self._bad_override_warned)
-
     def _plan(
         self, req_ids: list[str], sampled: list[list[int]], num_tokens_no_spec: np.ndarray
     ) -> tuple[list[int], list[int]]:
@@ -208,11 +205,9 @@ class SelfSpecProposer:
         if not candidates:
             return [], []
         cand_ids = [req_ids[row] for row in candidates]
-        overrides = {}
-        for req_id in cand_ids:
-            override = self._request_overrides(req_id)
-            if override:
-                overrides[req_id] = override
+        overrides = running_request_overrides(
+            self.runner, cand_ids, self.k_max, self._bad_override_warned
+        )
         planned = self.controller.plan(cand_ids, overrides=overrides)
         block_tables = self.runner.input_batch.block_table
         num_groups = len(self.runner.attn_groups)
