@@ -203,11 +203,14 @@ class SelfSpecDeviceProposer(DraftModelProposer):
             self._pending_rejected = num_rejected_tokens_gpu
             self.counters["draft_passes"] += 1
             self.counters["draft_forwards"] += k_step
+            pass_start = time.perf_counter()
             drafts = super().propose(
                 *args, num_speculative_tokens=k_step, num_rejected_tokens_gpu=None, **kwargs
             )
-            # CPU: the pass ran synchronously, so this is its time (one forward = its share)
-            self._costs.observe_draft(cad.batch_size(), (time.perf_counter() - start) / k_step)
+            # CPU: the pass ran synchronously, so this is its time (one forward = its share);
+            # the planning above runs on plain steps too and is not a draft forward's cost
+            pass_s = time.perf_counter() - pass_start
+            self._costs.observe_draft(cad.batch_size(), pass_s / k_step)
         self._cost_feed.step(self._costs, self.controller)
         self._last_end = time.perf_counter()
         return drafts
