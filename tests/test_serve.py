@@ -69,10 +69,11 @@ LOAD_TIMEOUT_S = 300.0
 REQUEST_TIMEOUT_S = 180.0
 # The abort test (see test_disconnected_streams_are_aborted): the tiny model's position limit
 ABORT_MAX_MODEL_LEN = 1024
-# test_aborted_requests_mid_draft cancels once /metrics shows its requests all running and
-# drafting (0.2 s after their start here) or this long after their start, whichever first. Its
-# 5 sequences of ~1000 tokens run ~5 s here (~1000 tokens/s in all); CI once saw them all finish
-# before a 20 s wait ended, the /metrics answers delayed by the engine's load (one took 13 s here).
+# test_aborted_requests_mid_draft cancels its requests this long after their start. Its 5
+# sequences of ~1000 tokens run ~5 s here (~1000 tokens/s in all), drafting from 0.2 s on. It asks
+# the server nothing while they run: prometheus builds a /metrics answer synchronously on the API
+# server's event loop (one took 13 s under load), and while it does, the closed connections go
+# unnoticed and the requests run to their end (CI saw that, twice, with /metrics polled).
 # An attempt whose cancel came too late, or before any draft, is run again, ABORT_ATTEMPTS in all.
 ABORT_CANCEL_AFTER_S = 1.5
 ABORT_ATTEMPTS = 3
@@ -1243,56 +1244,15 @@ def test_disconnected_streams_are_aborted(long_spec_server):
     assert 0 < closed_tokens < 0.9 * full, closed_tokens
 
 
-async def _poll_metrics(server: Any, ready: Any, polls: list[tuple[float, dict[str, Any]]]) -> None:
-    """Poll ``/metrics`` into ``polls`` (seconds since the call, metrics) until ``ready(metrics)``.
-
-    Callers bound the wait by the clock, not by this coroutine: while the engine saturates both
-    cores, one ``/metrics`` answer has taken 13 s (the API server shares the CPU with the engine
-    core), long enough for the requests being watched to run to their end.
-    """
-    start = time.monotonic()
-    while True:
-        m = await asyncio.to_thread(server.metrics)
-        polls.append((round(time.monotonic() - start, 2), m))
-        if ready(m):
-            return
-        await asyncio.sleep(0.05)
-
-
-def _poll_summary(
-    polls: list[tuple[float, dict[str, Any]]], drafts_before: float
-) -> list[tuple[float, float, float]]:
-    """(seconds, requests running, drafts verified since ``drafts_before``) per poll."""
-    return [
-        (
-            s,
-            metric_value(m, "vllm:num_requests_running"),
-            metric_value(m, "vllm:spec_decode_num_drafts_total") - drafts_before,
-        )
-        for s, m in polls
-    ]
-
-
-async def _cancel_mid_draft(
-    server: Any, reqs: list[dict[str, Any]], drafts_before: float
-) -> tuple[list[Any], list[Any], list[Any]]:
-    """Start ``reqs`` (non-streamed), and cancel them once they all run with drafts verified for
-    them or ABORT_CANCEL_AFTER_S after their start, whichever comes first: the client closes each
-    connection and vLLM aborts the request. The clock bound does not wait on a slow ``/metrics``
-    answer. Returns the poll summary, the requests that had finished before the cancel (the
-    cancel came too late to test anything), and what the cancelled calls returned."""
+async def _cancel_mid_draft(server: Any, reqs: list[dict[str, Any]]) -> tuple[list[Any], list[Any]]:
+    """Start ``reqs`` (non-streamed) and cancel them ABORT_CANCEL_AFTER_S later: the client
+    closes each connection and vLLM aborts the request. Nothing asks the server anything in
+    between (see ABORT_CANCEL_AFTER_S). Returns the requests that had finished before the cancel
+    (the cancel came too late to test anything) and what the cancelled calls returned."""
     client = _async_client(server.openai_url)
-    polls: list[tuple[float, dict[str, Any]]] = []
     try:
         tasks = [asyncio.ensure_future(_one(client, r)) for r in reqs]
-
-        def ready(m: Any) -> bool:
-            drafts = metric_value(m, "vllm:spec_decode_num_drafts_total") - drafts_before
-            running = metric_value(m, "vllm:num_requests_running")
-            return running >= len(reqs) and drafts >= 2 * len(reqs)
-
-        poller = asyncio.ensure_future(_poll_metrics(server, ready, polls))
-        await asyncio.wait([poller], timeout=ABORT_CANCEL_AFTER_S)
+        await asyncio.sleep(ABORT_CANCEL_AFTER_S)
         done_early = [
             (st, {i: c.get("finish_reason") for i, c in v["choices"].items()})
             if st == "ok"
@@ -1301,9 +1261,8 @@ async def _cancel_mid_draft(
         ]
         for t in tasks:
             t.cancel()
-        poller.cancel()
         cancelled = list(await asyncio.gather(*tasks, return_exceptions=True))
-        return _poll_summary(polls, drafts_before), done_early, cancelled
+        return done_early, cancelled
     finally:
         await client.close()
 
@@ -1344,39 +1303,49 @@ def test_aborted_requests_mid_draft(long_spec_server, reference):
         r["kwargs"] = fixed_k(r["kwargs"])
     sequences = sum(r["kwargs"].get("n", 1) for r in reqs)
     success = "vllm:request_success_total"
-    # An attempt tests the abort only if the cancel came while every request ran and drafted;
-    # on a loaded machine the cancel can come late (see ABORT_CANCEL_AFTER_S), so such an
-    # attempt is reported and run again. A broken abort fails every attempt below.
+    # An attempt tests the abort only if the cancel came while every request ran and drafted,
+    # and the abort reached the engine before the requests' end. On a loaded machine the API
+    # server (it shares the two cores with the engines) can notice the closed connections late,
+    # so an attempt in which a request still finished is reported and run again: a broken abort
+    # lets every request of every attempt finish, and fails below.
     attempts = []
     for _ in range(ABORT_ATTEMPTS):
         before = wait_idle(server)
         drafts_before = metric_value(before, "vllm:spec_decode_num_drafts_total")
-        polls, done_early, cancelled = asyncio.run(_cancel_mid_draft(server, reqs, drafts_before))
+        done_early, cancelled = asyncio.run(_cancel_mid_draft(server, reqs))
         assert all(isinstance(c, asyncio.CancelledError) for c in cancelled), cancelled
         after = wait_idle(server, timeout_s=30.0)
         assert server.healthy(), server.log_tail()
         # every draft since the idle server's `before` was drafted for these requests
         drafts = metric_value(after, "vllm:spec_decode_num_drafts_total") - drafts_before
-        attempts.append({"polls": polls, "finished_before_cancel": done_early, "drafts": drafts})
-        if not done_early and drafts >= len(reqs):
+        finished = {
+            reason: metric_value(after, success, finished_reason=reason)
+            - metric_value(before, success, finished_reason=reason)
+            for reason in ("length", "stop")
+        }
+        generated = metric_value(after, "vllm:generation_tokens_total") - metric_value(
+            before, "vllm:generation_tokens_total"
+        )
+        attempts.append(
+            {
+                "finished_before_cancel": done_early,
+                "drafts": drafts,
+                "finished": finished,
+                "generated": generated,
+            }
+        )
+        if not done_early and drafts >= len(reqs) and not any(finished.values()):
             break
-    else:
-        pytest.fail(f"no attempt cancelled its requests while they drafted: {attempts}")
-    generated = metric_value(after, "vllm:generation_tokens_total") - metric_value(
-        before, "vllm:generation_tokens_total"
-    )
-    finished = {
-        reason: metric_value(after, success, finished_reason=reason)
-        - metric_value(before, success, finished_reason=reason)
-        for reason in ("length", "stop")
-    }
+    print(f"\nabort attempts: {attempts}")
+    assert any(not a["finished_before_cancel"] for a in attempts), attempts
+    assert any(a["drafts"] >= len(reqs) for a in attempts), attempts
     print(
-        f"\ncancelled mid-draft: {len(reqs)} requests ({sequences} sequences), drafts verified "
+        f"cancelled mid-draft: {len(reqs)} requests ({sequences} sequences), drafts verified "
         f"for them {drafts:.0f}, tokens generated {generated:.0f} of "
         f"{sequences * full_len} had they run to the end; finished {finished}; "
-        f"attempts {len(attempts)}; polls before the cancel (s, running, drafts): {polls}"
+        f"attempts {len(attempts)}"
     )
-    assert finished["length"] == 0 and finished["stop"] == 0, (finished, attempts)
+    assert finished["length"] == 0 and finished["stop"] == 0, attempts
     # The tokens generated before the abort reached the engine: 1399 of 5080 measured with a load
     # average of 10 on 2 cores; with the abort broken, all.
     assert 0 < generated < 0.9 * sequences * full_len, (generated, attempts)
