@@ -136,11 +136,13 @@ class VllmEngine:
     def __init__(self, name: str, model: str, speculative_config: dict | None, *,
                  dtype: str = "float32", max_model_len: int = 512,
                  kv_cache_bytes: int = 512 << 20, sampler: RssSampler | None = None,
-                 enforce_eager: bool = True, engine_args: dict | None = None) -> None:
+                 enforce_eager: bool = True, engine_args: dict | None = None,
+                 request_args: dict | None = None) -> None:
         from vllm import LLM
 
         self.name = name
         self.spec = speculative_config
+        self.request_args = request_args  # every request's SamplingParams.extra_args
         before = _children()
         t0 = time.perf_counter()
         self.llm = LLM(
@@ -170,7 +172,8 @@ class VllmEngine:
                  batch: int) -> tuple[list[list[int]], float]:
         from vllm import SamplingParams
 
-        params = SamplingParams(temperature=temperature, max_tokens=max_tokens)
+        params = SamplingParams(temperature=temperature, max_tokens=max_tokens,
+                                extra_args=self.request_args)
         outputs: list[list[int]] = []
         t0 = time.perf_counter()
         for i in range(0, len(prompts), batch):

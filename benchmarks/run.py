@@ -66,6 +66,7 @@ class Method:
     batches: tuple[int, ...] | None = None  # None: every batch size of the suite
     ideal_source: str | None = None  # fixed-k method whose acceptance and cost define the ideal
     engine_args: dict | None = None  # extra vllm.LLM arguments (e.g. async_scheduling=False)
+    request_args: dict | None = None  # every request's SamplingParams.extra_args
     online_cold_start: bool = False  # selfspec online selection from the depth-based default
 
 
@@ -257,6 +258,20 @@ def build_suite(name: str) -> Suite:
                      time_budget_s=1800.0, compile=True,
                      note="k = 4; zero: SmolLM2 with 30 zero-output layers inserted (every draft "
                           "accepted); smollm2: its shipped profile")
+    if name == "overhead-floor":
+        # #13's overhead floor: a selfspec engine whose every request has drafting switched off
+        # (per-request cap 0) against plain vLLM, both in vLLM's default mode: what the drafter
+        # costs where it drafts nothing. One drafter per group (idle engines busy-poll).
+        off = {"selfspec": {"num_speculative_tokens": 0}}
+        groups = [
+            Group("smollm2", [Method(f"selfspec {drafter}, every request capped at 0",
+                                     spec=_selfspec(True, drafter=drafter), request_args=off)],
+                  label="SmolLM2, its shipped profile")
+            for drafter in ("device", "host")
+        ]
+        return Suite(name=name, groups=groups, datasets=["mtbench"], temperatures=[0.0],
+                     batches=[1, 8, 32], reps=5, max_tokens=48, time_budget_s=1800.0,
+                     compile=True, note="k = 4; no drafts: the cost of the drafter's presence")
     if name == "smoke":
         return Suite(
             name=name,
@@ -277,7 +292,7 @@ def build_suite(name: str) -> Suite:
 
 
 SUITES = ("cpu-smollm2", "cpu-qwen-coder", "cpu-zero", "no-harm", "sync-floor", "drafter-v2",
-          "device-adaptive", "smoke")
+          "device-adaptive", "overhead-floor", "smoke")
 ONLINE_SUITE = "online"  # benchmarks/online.py: a server per method, `vllm bench serve`
 EMBEDDED_MODEL_NAMES = ("smollm2-135m", QWEN_CODER)  # vllm_selfspec.assets.EMBEDDED_MODELS
 _ZERO_SKIP: dict[str, Any] = {}  # filled by resolve_model("zero") (the inserted layers)
@@ -417,6 +432,7 @@ class Runner:
         spec = engine_spec(method, model_dir, kind)
         return VllmEngine(method.name, model_dir, spec, kv_cache_bytes=_kv_bytes(kind),
                           sampler=sampler, engine_args=method.engine_args,
+                          request_args=method.request_args,
                           enforce_eager=not self.suite.compile)
 
     def _load(self, where: str) -> None:

@@ -10,6 +10,9 @@
 * Aborts mid-draft: half of a drafting batch is aborted between engine steps; the other half
   must finish with plain vLLM's tokens, and the engine serves on (the tests after it).
 * The plugin's metrics are also there for the offline ``LLM`` (``LLM.get_metrics()``).
+
+Every test runs on both drafters (``"drafter": "host"`` and ``"device"``), one engine alive at a
+time.
 """
 
 from __future__ import annotations
@@ -93,10 +96,10 @@ def reference(model_dir, workloads):
     return out
 
 
-@pytest.fixture(scope="module")
-def spec_llm(model_dir, reference):
+@pytest.fixture(scope="module", params=["host", "device"])
+def spec_llm(request, model_dir, reference):
     kw = {"max_model_len": MAX_MODEL_LEN, "kv_cache_memory_bytes": KV_BYTES}
-    with engine(model_dir, SPEC, **kw) as llm:
+    with engine(model_dir, {**SPEC, "drafter": request.param}, **kw) as llm:
         yield llm
 
 
@@ -105,11 +108,14 @@ def test_preemption_greedy_identical_to_plain(spec_llm, workloads, reference):
     got = _generate(spec_llm, workloads["pressure"])
     preemptions = _metric(spec_llm, "vllm:num_preemptions") - before
     stats = drafter_stats(spec_llm)[0]
+    shown = ("drafter", "steps", "draft_tokens", "kv_overflow_clips", "rows_past_end")
     print(f"\npreemptions: selfspec {preemptions:.0f}, plain {reference['preemptions']:.0f}; "
-          f"drafter {dict((k, stats[k]) for k in ('steps', 'draft_tokens', 'kv_overflow_clips'))}")
+          f"drafter {dict((k, stats.get(k)) for k in shown)}")
     assert preemptions > 0, "the KV cache was large enough: no preemption happened"
     assert got == reference["pressure"]
-    assert stats["draft_tokens"] > 0 and stats["kv_overflow_clips"] == 0
+    assert stats["draft_tokens"] > 0
+    if stats.get("drafter") != "device":  # the host drafter clips drafts at its blocks' end
+        assert stats["kv_overflow_clips"] == 0
 
 
 ABORT_AFTER_STEPS = 6

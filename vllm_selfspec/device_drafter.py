@@ -141,6 +141,7 @@ class SelfSpecDeviceProposer(DraftModelProposer):
             "draft_passes": 0,
             "passes_skipped": 0,  # every budget 0: no draft forward at all
             "draft_forwards": 0,
+            "draft_tokens": 0,  # handed to verification, after the trim
             "trimmed_tokens": 0,
             "confidence_exits": 0,
         }
@@ -359,6 +360,7 @@ class SelfSpecDeviceProposer(DraftModelProposer):
                     self.counters["confidence_exits"] += 1
                 self._kept_confidences[req_id] = conf[:keep]
             self.counters["trimmed_tokens"] += len(tokens) - keep
+            self.counters["draft_tokens"] += keep
             out.append(tokens[:keep])
         return out
 
