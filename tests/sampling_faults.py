@@ -12,33 +12,46 @@ removed again with ``sampling_fault_remove``; production code has no switch for 
 * ``"full_model"``: drafts are drawn from the layer-skip model as usual, but the draft
   probabilities are the full model's distribution at the same position (all layers run on the
   drafted prefix), so every draft looks as likely to the verifier as to the target.
+
+On the device drafter (``"drafter": "device"``, vLLM's draft sampler) the ``"temperature"`` fault
+wraps its ``_sample_from_logits``: tokens drawn at temperature 1.0, the probabilities handed on at
+the request's temperature (:class:`DeviceSamplingFaultExtension`, which also pins step costs).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
 import torch
 
+from tests.pinned_costs import PinnedCostsExtension
 from vllm_selfspec.worker_ext import SelfSpecWorkerExtension
 
-_PATCHED = ("_pick_tokens", "_draft_forward")
+_PATCHED = ("_pick_tokens", "_draft_forward", "_sample_from_logits")
 
 
 class SamplingFaultExtension(SelfSpecWorkerExtension):
+    _drafter_kind = "host"
+
     def _sampling_fault_drafter(self) -> Any:
-        from vllm_selfspec.proposer import SelfSpecProposer
+        if self._drafter_kind == "device":
+            from vllm_selfspec.device_drafter import SelfSpecDeviceProposer as drafter_class
+        else:
+            from vllm_selfspec.proposer import SelfSpecProposer as drafter_class
 
         drafter = getattr(self.model_runner, "drafter", None)
-        assert isinstance(drafter, SelfSpecProposer), type(drafter)
+        assert isinstance(drafter, drafter_class), type(drafter)
         return drafter
 
     def sampling_fault_install(self, kind: str) -> bool:
         drafter = self._sampling_fault_drafter()
         self.sampling_fault_remove()
         drafter._fault_hits = 0  # sampled draft rows whose probabilities the fault replaced
-        if kind == "temperature":
+        if kind == "temperature" and self._drafter_kind == "device":
+            _install_device_temperature_fault(drafter)
+        elif kind == "temperature":
             _install_temperature_fault(drafter)
         elif kind == "full_model":
             _install_full_model_fault(drafter)
@@ -104,3 +117,30 @@ def _install_full_model_fault(drafter: Any) -> None:
 
     drafter._draft_forward = draft_forward
     drafter._pick_tokens = pick_tokens
+
+
+class DeviceSamplingFaultExtension(SamplingFaultExtension, PinnedCostsExtension):
+    """The faults for the device drafter, and its step costs pinned (tests/pinned_costs.py)."""
+
+    _drafter_kind = "device"
+
+
+def _install_device_temperature_fault(drafter: Any) -> None:
+    original = drafter._sample_from_logits
+
+    def sample_from_logits(logits, sampling_metadata):
+        if sampling_metadata.all_greedy or sampling_metadata.temperature is None:
+            return original(logits, sampling_metadata)
+        # Draw at temperature 1.0, report the distribution at the request's temperature. vLLM's
+        # draft sampler divides the logits by the temperature in place: draw from a copy first.
+        at_one = dataclasses.replace(
+            sampling_metadata, temperature=torch.ones_like(sampling_metadata.temperature)
+        )
+        tokens, _ = original(logits.clone(), at_one)
+        right, probs = original(logits, sampling_metadata)
+        if probs is None:  # argmax drafts: nothing to break
+            return right, probs
+        drafter._fault_hits += int(tokens.shape[0])
+        return tokens, probs
+
+    drafter._sample_from_logits = sample_from_logits

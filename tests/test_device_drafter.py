@@ -150,6 +150,8 @@ def test_per_request_caps_shorten_the_pass(dev, reference):
 
 
 def test_every_request_capped_to_zero_runs_no_pass(dev, reference):
+    """A request capped at 0 alone: no pass, and after its prefill (no drafts verified, none
+    planned) not even vLLM's preparation of the pass's inputs."""
     kind, llm = dev
     window = MetricsWindow(llm)
     before = drafter_stats(llm)[0]
@@ -158,6 +160,9 @@ def test_every_request_capped_to_zero_runs_no_pass(dev, reference):
     after = drafter_stats(llm)[0]
     assert after["draft_passes"] == before["draft_passes"], (before, after)
     assert after["passes_skipped"] > before["passes_skipped"], (before, after)
+    skipped = after["passes_skipped"] - before["passes_skipped"]
+    prepared_for_nothing = skipped - (after["prepare_skipped"] - before["prepare_skipped"])
+    assert prepared_for_nothing == 0, (before, after)
 
 
 def test_controller_sees_what_vllm_verified(dev, reference):

@@ -85,6 +85,8 @@ MAX_CELLS = 16
 WRONG_TOKEN_RANK = 9  # r: a point mass on the 10th most likely token
 SKIP = {"skip_attention": [3, 5], "skip_mlp": [6], "num_speculative_tokens": K, "adaptive": False}
 FAULT_EXTENSION = "tests.sampling_faults.SamplingFaultExtension"
+DEVICE_FAULT_EXTENSION = "tests.sampling_faults.DeviceSamplingFaultExtension"
+DEVICE_FAULT_CONFIG = "t0.7"  # the device drafter's negative control, k fixed
 
 
 @pytest.fixture(scope="module")
@@ -198,10 +200,10 @@ def argmax(model_dir, prompt):
 
 @pytest.fixture(scope="module")
 def device(model_dir, prompt):
-    from tests.pinned_costs import PINNED_COSTS_EXTENSION, pin_step_costs
+    from tests.pinned_costs import pin_step_costs
 
     spec = {"method": "selfspec", **SKIP, "drafter": "device", "adaptive": True}
-    with engine(model_dir, spec, worker_extension_cls=PINNED_COSTS_EXTENSION) as llm:
+    with engine(model_dir, spec, worker_extension_cls=DEVICE_FAULT_EXTENSION) as llm:
         # cheap drafts: the controller drafts at this set's sampled acceptance
         pin_step_costs(llm, draft_ratio=0.05)
         out = {}
@@ -215,6 +217,13 @@ def device(model_dir, prompt):
             out[name][1]["confidence_exits"] = (
                 after["confidence_exits"] - before["confidence_exits"]
             )
+        assert llm.collective_rpc("sampling_fault_install", args=("temperature",)) == [True]
+        try:
+            out["fault"], _ = _sample_drafting(
+                llm, prompt, DEVICE_FAULT_CONFIG, 90_000_000, {"selfspec": {"adaptive": False}}
+            )
+        finally:
+            out["fault_hits"] = llm.collective_rpc("sampling_fault_remove")
         return out
 
 
@@ -279,6 +288,16 @@ def test_device_drafter_keeps_the_distribution(plain, device, name):
           f"confidence exits {counters['confidence_exits']}")
     assert (counters["confidence_exits"] > 0) == adaptive, counters
     assert _min_p_value(plain[config], samples) > ALPHA_PER_TEST
+
+
+def test_injected_bug_in_the_device_drafter_is_detected(plain, device):
+    """Negative control of the device-drafter tests above: drafts drawn at temperature 1.0 with
+    their probabilities handed on at the request's 0.7 must be caught at the same level."""
+    hits = device["fault_hits"]
+    assert hits and min(hits) > 0, hits  # the fault really replaced the drafts
+    p = _min_p_value(plain[DEVICE_FAULT_CONFIG], device["fault"])
+    print(f"device drafter, fault temperature at {DEVICE_FAULT_CONFIG}: min p-value {p:.3g}")
+    assert p < ALPHA_PER_TEST
 
 
 def test_argmax_drafts_keep_the_distribution(plain, argmax):

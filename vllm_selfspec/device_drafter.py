@@ -56,6 +56,7 @@ from vllm_selfspec.patches import (
     ADDITIONAL_CONFIG_KEY,
     patch_runner_cpu_discarded_generators,
     patch_runner_input_fits_in_drafter,
+    patch_runner_propose_without_drafts,
     patch_runner_take_draft_token_ids,
 )
 from vllm_selfspec.skip_forward import LayerSkipForward, decoder_stack
@@ -124,6 +125,7 @@ class SelfSpecDeviceProposer(DraftModelProposer):
         self.k_max = self.settings.num_speculative_tokens
         self.runner = runner
         self._pending_rejected: torch.Tensor | None = None
+        self._planned: int | None = None  # a pass length planned before vLLM's preparation
         self._past_end = torch.zeros(self.max_batch_size, dtype=torch.bool, device=device)
         self._past_end_rows = torch.zeros((), dtype=torch.int64, device=device)
         # Draft lengths: caps only (adaptive off), or the host drafter's adaptive controller.
@@ -140,6 +142,7 @@ class SelfSpecDeviceProposer(DraftModelProposer):
             "steps": 0,
             "draft_passes": 0,
             "passes_skipped": 0,  # every budget 0: no draft forward at all
+            "prepare_skipped": 0,  # of those, steps that skipped vLLM's input preparation too
             "draft_forwards": 0,
             "draft_tokens": 0,  # handed to verification, after the trim
             "trimmed_tokens": 0,
@@ -149,6 +152,7 @@ class SelfSpecDeviceProposer(DraftModelProposer):
             patch_runner_input_fits_in_drafter(runner)
             patch_runner_cpu_discarded_generators(runner)
             patch_runner_take_draft_token_ids(runner, self.trim)
+            patch_runner_propose_without_drafts(runner, self.plan_step_without_drafts)
         logger.info("selfspec device drafter: %s, k=%d", self.settings.describe(), self.k_max)
 
     # --- model ------------------------------------------------------------------------------
@@ -180,24 +184,13 @@ class SelfSpecDeviceProposer(DraftModelProposer):
     def propose(
         self, *args: Any, num_rejected_tokens_gpu: torch.Tensor | None = None, **kwargs: Any
     ) -> torch.Tensor:
-        start = time.perf_counter()
-        req_ids = list(self.runner.input_batch.req_ids) if self.runner is not None else []
-        discarded = self._discarded(len(req_ids))
-        verified = self._observe_verification(req_ids, num_rejected_tokens_gpu)
-        # The gap since the previous pass is one verification step only while the same requests
-        # keep decoding (a changed batch means prefills or an idle engine in between).
-        if self._last_end is not None and req_ids == self._last_req_ids and not any(discarded):
-            self._costs.observe_verify(len(req_ids), verified, start - self._last_end)
-        self._last_req_ids = req_ids
-        self.counters["steps"] += 1
         k_limit = int(kwargs.pop("num_speculative_tokens", self.k_max))
-        k_step = self._plan([r for r, d in zip(req_ids, discarded, strict=True) if not d], k_limit)
+        k_step, self._planned = self._planned, None
+        if k_step is None:  # not planned by plan_step_without_drafts
+            k_step = self._begin_step(num_rejected_tokens_gpu, k_limit)
         cad = kwargs["common_attn_metadata"]
-        self._step_confidences = []
         if k_step == 0:
-            self.counters["passes_skipped"] += 1
-            self._last_draft_probs = None  # the runner reads it after every propose
-            drafts = torch.empty((cad.batch_size(), 0), dtype=torch.int64, device=self.device)
+            drafts = self._no_pass(cad.batch_size())
         else:
             # The first pass below places each request's token after its rejected slots itself,
             # so the base loop must not subtract them again from the sequence lengths.
@@ -209,12 +202,50 @@ class SelfSpecDeviceProposer(DraftModelProposer):
                 *args, num_speculative_tokens=k_step, num_rejected_tokens_gpu=None, **kwargs
             )
             # CPU: the pass ran synchronously, so this is its time (one forward = its share);
-            # the planning above runs on plain steps too and is not a draft forward's cost
+            # the planning before it runs on plain steps too and is not a draft forward's cost
             pass_s = time.perf_counter() - pass_start
             self._costs.observe_draft(cad.batch_size(), pass_s / k_step)
+        self._end_step()
+        return drafts
+
+    def plan_step_without_drafts(self, k_limit: int, batch_size: int) -> torch.Tensor | None:
+        """A step that verified no drafts, before vLLM prepares the pass's inputs (see
+        :func:`vllm_selfspec.patches.patch_runner_propose_without_drafts`): the step's
+        bookkeeping and plan; the empty drafts when no pass runs, else ``None`` (the plan is kept
+        for :meth:`propose`, which vLLM calls next)."""
+        k_step = self._begin_step(None, k_limit)
+        if k_step > 0:
+            self._planned = k_step
+            return None
+        self.counters["prepare_skipped"] += 1
+        drafts = self._no_pass(batch_size)
+        self._end_step()
+        return drafts
+
+    def _begin_step(self, num_rejected: torch.Tensor | None, k_limit: int) -> int:
+        """Observe the verification of last step's drafts and the step's cost; plan this step's
+        budgets; returns the pass length."""
+        start = time.perf_counter()
+        req_ids = list(self.runner.input_batch.req_ids) if self.runner is not None else []
+        discarded = self._discarded(len(req_ids))
+        verified = self._observe_verification(req_ids, num_rejected)
+        # The gap since the previous pass is one verification step only while the same requests
+        # keep decoding (a changed batch means prefills or an idle engine in between).
+        if self._last_end is not None and req_ids == self._last_req_ids and not any(discarded):
+            self._costs.observe_verify(len(req_ids), verified, start - self._last_end)
+        self._last_req_ids = req_ids
+        self.counters["steps"] += 1
+        self._step_confidences = []
+        return self._plan([r for r, d in zip(req_ids, discarded, strict=True) if not d], k_limit)
+
+    def _no_pass(self, batch_size: int) -> torch.Tensor:
+        self.counters["passes_skipped"] += 1
+        self._last_draft_probs = None  # the runner reads it after every propose
+        return torch.empty((batch_size, 0), dtype=torch.int64, device=self.device)
+
+    def _end_step(self) -> None:
         self._cost_feed.step(self._costs, self.controller)
         self._last_end = time.perf_counter()
-        return drafts
 
     # --- draft lengths ----------------------------------------------------------------------
 

@@ -59,7 +59,9 @@ behaviour of an engine that did not ask for ``"method": "selfspec"``.
    gate for ``draft_model`` passes), so that vLLM builds ours in its place; a runner that built
    something else is refused at start. With it, the drafter wraps its runner's
    ``take_draft_token_ids`` (:func:`patch_runner_take_draft_token_ids`): per-request draft
-   lengths and the confidence exit cut drafts where vLLM moves them to the host.
+   lengths and the confidence exit cut drafts where vLLM moves them to the host, and its
+   ``propose_draft_token_ids`` (:func:`patch_runner_propose_without_drafts`): a step that
+   verified no drafts and plans none skips vLLM's draft-input preparation.
 """
 
 from __future__ import annotations
@@ -560,3 +562,63 @@ def patch_runner_take_draft_token_ids(runner: Any, trim: Any) -> None:
     setattr(take_draft_token_ids, _SENTINEL, True)
     take_draft_token_ids.__wrapped__ = original  # type: ignore[attr-defined]
     runner.take_draft_token_ids = take_draft_token_ids
+
+
+def patch_runner_propose_without_drafts(runner: Any, plan_step: Any) -> None:
+    """Instance wrap of ``runner.propose_draft_token_ids`` (device drafter, CPU).
+
+    Before it calls the drafter, vLLM's runner prepares the draft pass's inputs on every step:
+    the next tokens and rejected counts (``prepare_next_token_ids_padded``,
+    ``prepare_inputs_padded``) and the target slices. On a step that verified no drafts there is
+    nothing to read from them, and when the drafter then plans no pass they are thrown away:
+    that preparation was a third of the measured cost of a selfspec engine whose every request
+    has drafting switched off (the overhead floor). The wrapper asks
+    ``plan_step(num_spec_tokens_to_schedule, batch_size)`` first on such steps; it returns the
+    (empty) drafts when no pass runs, else ``None`` and the wrapper delegates. Steps that
+    verified drafts, and runners that copy sampled-token counts to the host for the next step
+    (``valid_sampled_token_count_event``, CUDA), always delegate.
+    """
+    original = runner.propose_draft_token_ids
+    if getattr(original, _SENTINEL, False):
+        return
+
+    def propose_draft_token_ids(
+        scheduler_output: Any,
+        sampled_token_ids: Any,
+        sampling_metadata: Any,
+        hidden_states: Any,
+        sample_hidden_states: Any,
+        aux_hidden_states: Any,
+        spec_decode_metadata: Any,
+        common_attn_metadata: Any,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        verified_none = spec_decode_metadata is None or not any(
+            spec_decode_metadata.num_draft_tokens
+        )
+        if verified_none and getattr(runner, "valid_sampled_token_count_event", None) is None:
+            drafts = plan_step(
+                scheduler_output.num_spec_tokens_to_schedule, common_attn_metadata.batch_size()
+            )
+            if drafts is not None:
+                # what vLLM's method resets before proposing: no draft probabilities this step
+                runner._draft_probs = None
+                runner._draft_prob_req_ids = None
+                return drafts
+        return original(
+            scheduler_output,
+            sampled_token_ids,
+            sampling_metadata,
+            hidden_states,
+            sample_hidden_states,
+            aux_hidden_states,
+            spec_decode_metadata,
+            common_attn_metadata,
+            *args,
+            **kwargs,
+        )
+
+    setattr(propose_draft_token_ids, _SENTINEL, True)
+    propose_draft_token_ids.__wrapped__ = original  # type: ignore[attr-defined]
+    runner.propose_draft_token_ids = propose_draft_token_ids
