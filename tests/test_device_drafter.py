@@ -163,6 +163,9 @@ def test_every_request_capped_to_zero_runs_no_pass(dev, reference):
     skipped = after["passes_skipped"] - before["passes_skipped"]
     prepared_for_nothing = skipped - (after["prepare_skipped"] - before["prepare_skipped"])
     assert prepared_for_nothing == 0, (before, after)
+    # and every one of its steps (prefill included: no drafts) skipped the rejection sampler
+    steps = after["steps"] - before["steps"]
+    assert after["plain_sampled"] - before["plain_sampled"] == steps > 0, (before, after)
 
 
 def test_controller_sees_what_vllm_verified(dev, reference):
@@ -170,12 +173,16 @@ def test_controller_sees_what_vllm_verified(dev, reference):
     rejected counts, read once per step) equal vLLM's spec-decode counters."""
     kind, llm = dev
     window = MetricsWindow(llm)
-    before = drafter_stats(llm)[0]["controller"]
+    start = drafter_stats(llm)[0]
+    before = start["controller"]
     assert _generate(llm, _workloads()["batch"]) == reference["outputs"]["batch"]
     delta = _drafted(window, exact=kind in EXACT)
     after = drafter_stats(llm)[0]["controller"]
     assert after["drafted"] - before["drafted"] == delta["num_draft_tokens"], (before, after)
     assert after["accepted"] - before["accepted"] == delta["num_accepted_tokens"]
+    # steps that verified drafts went through vLLM's rejection sampler
+    counters = drafter_stats(llm)[0]
+    assert counters["plain_sampled"] - start["plain_sampled"] < counters["steps"] - start["steps"]
 
 
 def test_confidence_exit_fires_only_when_adaptive(dev):

@@ -145,3 +145,28 @@ def test_runner_patch_waits_for_the_runner_module():
         "print(getattr(GPUModelRunner.__init__, '_vllm_selfspec_patched', False))\n"
     )
     assert _fresh_python(code)[-2:] == ["False", "True"]
+
+
+def test_steps_without_drafts_skip_the_rejection_sampler():
+    """Patch 9 on a stand-in runner: metadata with no drafts is dropped (vLLM's plain sampling
+    path), metadata with drafts reaches vLLM's ``_sample`` unchanged; wrapping twice is a no-op."""
+    from types import SimpleNamespace
+
+    seen: list[object] = []
+
+    class Runner:
+        def _sample(self, logits, spec_decode_metadata):
+            seen.append(spec_decode_metadata)
+            return logits
+
+    runner = Runner()
+    plain_steps: list[int] = []
+    patches.patch_runner_sample_without_drafts(runner, lambda: plain_steps.append(1))
+    patches.patch_runner_sample_without_drafts(runner, lambda: plain_steps.append(1))
+    no_drafts = SimpleNamespace(max_spec_len=0)
+    drafts = SimpleNamespace(max_spec_len=3)
+    assert runner._sample("logits", no_drafts) == "logits"
+    runner._sample("logits", drafts)
+    runner._sample("logits", None)
+    assert seen == [None, drafts, None]
+    assert plain_steps == [1]

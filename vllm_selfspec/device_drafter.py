@@ -57,6 +57,7 @@ from vllm_selfspec.patches import (
     patch_runner_cpu_discarded_generators,
     patch_runner_input_fits_in_drafter,
     patch_runner_propose_without_drafts,
+    patch_runner_sample_without_drafts,
     patch_runner_take_draft_token_ids,
 )
 from vllm_selfspec.skip_forward import LayerSkipForward, decoder_stack
@@ -143,6 +144,7 @@ class SelfSpecDeviceProposer(DraftModelProposer):
             "draft_passes": 0,
             "passes_skipped": 0,  # every budget 0: no draft forward at all
             "prepare_skipped": 0,  # of those, steps that skipped vLLM's input preparation too
+            "plain_sampled": 0,  # steps without drafts, sampled without the rejection sampler
             "draft_forwards": 0,
             "draft_tokens": 0,  # handed to verification, after the trim
             "trimmed_tokens": 0,
@@ -153,6 +155,7 @@ class SelfSpecDeviceProposer(DraftModelProposer):
             patch_runner_cpu_discarded_generators(runner)
             patch_runner_take_draft_token_ids(runner, self.trim)
             patch_runner_propose_without_drafts(runner, self.plan_step_without_drafts)
+            patch_runner_sample_without_drafts(runner, self._count_plain_sampled)
         logger.info("selfspec device drafter: %s, k=%d", self.settings.describe(), self.k_max)
 
     # --- model ------------------------------------------------------------------------------
@@ -237,6 +240,9 @@ class SelfSpecDeviceProposer(DraftModelProposer):
         self.counters["steps"] += 1
         self._step_confidences = []
         return self._plan([r for r, d in zip(req_ids, discarded, strict=True) if not d], k_limit)
+
+    def _count_plain_sampled(self) -> None:
+        self.counters["plain_sampled"] += 1
 
     def _no_pass(self, batch_size: int) -> torch.Tensor:
         self.counters["passes_skipped"] += 1

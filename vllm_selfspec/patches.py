@@ -62,6 +62,10 @@ behaviour of an engine that did not ask for ``"method": "selfspec"``.
    lengths and the confidence exit cut drafts where vLLM moves them to the host, and its
    ``propose_draft_token_ids`` (:func:`patch_runner_propose_without_drafts`): a step that
    verified no drafts and plans none skips vLLM's draft-input preparation.
+9. ``GPUModelRunner._sample`` (per runner instance, selfspec runners only, both drafters): a step
+   in which no request has drafts is sampled by vLLM's plain sampler, as a plain engine samples
+   it, instead of going through the rejection sampler (see
+   :func:`patch_runner_sample_without_drafts`).
 """
 
 from __future__ import annotations
@@ -73,7 +77,7 @@ import importlib.util
 import logging
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 logger = logging.getLogger("vllm.selfspec.patches")
@@ -622,3 +626,35 @@ def patch_runner_propose_without_drafts(runner: Any, plan_step: Any) -> None:
     setattr(propose_draft_token_ids, _SENTINEL, True)
     propose_draft_token_ids.__wrapped__ = original  # type: ignore[attr-defined]
     runner.propose_draft_token_ids = propose_draft_token_ids
+
+
+def patch_runner_sample_without_drafts(
+    runner: Any, on_plain_step: Callable[[], None] | None = None
+) -> None:
+    """Instance wrap of ``runner._sample`` (selfspec runners only).
+
+    vLLM 0.32 keys its runner's speculative path on the config, not on the step: every step of a
+    speculative engine builds spec-decode metadata and samples through the rejection sampler,
+    also a step in which no request has drafts (a prefill, requests capped at 0, drafting
+    switched off by the controller). There the rejection sampler's output is the bonus token,
+    drawn by the same plain sampler, plus indexing, casts and a rejection pass over an empty
+    draft set: ~0.4 ms a step on CPU, the largest part of the overhead floor. On such a step the
+    wrapper calls vLLM's ``_sample`` without the metadata, which samples with the plain sampler
+    exactly as a plain engine does (same logits rows: one per request; same generator draws).
+    Steps with drafts delegate unchanged. ``on_plain_step`` is called on each step sampled so.
+    Can go once vLLM keys the speculative path on the scheduled drafts.
+    """
+    original = runner._sample
+    if getattr(original, _SENTINEL, False):
+        return
+
+    def _sample(logits: Any, spec_decode_metadata: Any) -> Any:
+        if spec_decode_metadata is not None and spec_decode_metadata.max_spec_len == 0:
+            spec_decode_metadata = None
+            if on_plain_step is not None:
+                on_plain_step()
+        return original(logits, spec_decode_metadata)
+
+    setattr(_sample, _SENTINEL, True)
+    _sample.__wrapped__ = original  # type: ignore[attr-defined]
+    runner._sample = _sample

@@ -32,6 +32,7 @@ from vllm_selfspec.patches import (
     ADDITIONAL_CONFIG_KEY,
     patch_runner_cpu_discarded_generators,
     patch_runner_input_fits_in_drafter,
+    patch_runner_sample_without_drafts,
 )
 from vllm_selfspec.skip_forward import LayerSkipForward
 from vllm_selfspec.step_costs import StepCostRecorder
@@ -83,6 +84,7 @@ class SelfSpecProposer:
         self.runner = _find_model_runner()
         patch_runner_input_fits_in_drafter(self.runner)
         patch_runner_cpu_discarded_generators(self.runner)
+        patch_runner_sample_without_drafts(self.runner)
         self.device = self.runner.device
         self.controller = DraftLengthController.for_settings(self.settings, self.k_max)
         # Same seed on every TP rank: probabilistic drafts stay identical across ranks.
