@@ -202,6 +202,11 @@ def summarize(runs: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
         off = [x for x in off if x is not None]
         if off:
             row["drafting_off_share"] = _median(off)
+        lookup = [g["drafter"]["lookup_tokens"] / g["drafter"]["draft_tokens"] for g in ok
+                  if (g.get("drafter") or {}).get("draft_tokens")
+                  and g["drafter"].get("lookup_tokens") is not None]
+        if lookup:
+            row["lookup_share"] = _median(lookup)
         rss = [g["peak_rss_bytes"] for g in group if g.get("peak_rss_bytes")]
         if rss:
             row["peak_rss_mb"] = max(rss) / 2**20
@@ -299,6 +304,7 @@ COLUMNS: list[tuple[str, str]] = [
     ("ideal_speedup", "ideal"),
     ("efficiency", "efficiency"),
     ("drafting_off_share", "drafting off"),
+    ("lookup_share", "lookup share"),
     ("peak_rss_mb", "peak RSS MB"),
     ("identical", "greedy identical"),
     ("runs", "runs"),

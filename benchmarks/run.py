@@ -272,6 +272,25 @@ def build_suite(name: str) -> Suite:
         return Suite(name=name, groups=groups, datasets=["mtbench"], temperatures=[0.0],
                      batches=[1, 8, 32], reps=5, max_tokens=48, time_budget_s=1800.0,
                      compile=True, note="k = 4; no drafts: the cost of the drafter's presence")
+    if name == "hybrid":
+        # #14: prompt lookup beside layer skipping in the device drafter ("drafts": "hybrid"),
+        # against vLLM's ngram (same k and n-gram sizes) and the device drafter's layer-skip
+        # drafts alone, adaptive both, in vLLM's default mode. One drafter per group (idle vLLM
+        # CPU engines busy-poll: only plain and one drafter are alive at a time).
+        device = {"drafter": "device"}
+        lookup = {"prompt_lookup_min": 2, "prompt_lookup_max": 4}
+        groups = [
+            Group("smollm2", [Method("selfspec hybrid", spec=_selfspec(
+                True, drafts="hybrid", **lookup, **device))], label="SmolLM2, its shipped profile"),
+            Group("smollm2", [Method("ngram", spec=NGRAM)], label="SmolLM2, its shipped profile"),
+            Group("smollm2", [Method("selfspec layer skip", spec=_selfspec(True, **device))],
+                  label="SmolLM2, its shipped profile"),
+        ]
+        return Suite(name=name, groups=groups, datasets=["humaneval", "mtbench"],
+                     temperatures=[0.0, 0.7], batches=[1, 8, 32], reps=5, max_tokens=48,
+                     time_budget_s=3600.0, compile=True, any_model=True,
+                     note="k = 4; selfspec: the device drafter, adaptive, the model's shipped "
+                          "profile; hybrid and ngram: n-grams of 2..4 tokens")
     if name == "smoke":
         return Suite(
             name=name,
@@ -292,7 +311,7 @@ def build_suite(name: str) -> Suite:
 
 
 SUITES = ("cpu-smollm2", "cpu-qwen-coder", "cpu-zero", "no-harm", "sync-floor", "drafter-v2",
-          "device-adaptive", "overhead-floor", "smoke")
+          "device-adaptive", "overhead-floor", "hybrid", "smoke")
 ONLINE_SUITE = "online"  # benchmarks/online.py: a server per method, `vllm bench serve`
 EMBEDDED_MODEL_NAMES = ("smollm2-135m", QWEN_CODER)  # vllm_selfspec.assets.EMBEDDED_MODELS
 _ZERO_SKIP: dict[str, Any] = {}  # filled by resolve_model("zero") (the inserted layers)
@@ -665,6 +684,8 @@ def render_markdown(result: dict[str, Any]) -> str:
               "max_j E(j)/(v(j) + j r), v interpolated linearly from 1 at j = 0, from the "
               "fixed-k run's per-token acceptance, r and v; `efficiency` = achieved / ideal; "
               "`drafting off` = share of request-steps the controller planned 0 drafts; "
+              "`lookup share` = share of the draft tokens that came from prompt lookup "
+              "(selfspec `drafts` hybrid / lookup); "
               "`peak RSS` = resident memory of the engine's processes; `greedy identical` = "
               "outputs equal to plain vLLM's.", ""]
     return "\n".join(lines)
@@ -674,7 +695,8 @@ def _drafter_delta(before: dict, after: dict) -> dict[str, Any]:
     out = {key: after.get(key)
            for key in ("draft_cost_s", "plain_step_s", "verify_cost_s", "cost_table")}
     for key in ("steps", "steps_with_drafts", "draft_forwards", "draft_tokens",
-                "rows_considered", "rows_drafting", "rows_off"):
+                "rows_considered", "rows_drafting", "rows_off", "draft_passes",
+                "lookup_tokens", "lookup_accepted", "lookup_only_steps"):
         if key in after:
             out[key] = after[key] - before.get(key, 0)
     if out.get("rows_considered"):

@@ -16,6 +16,9 @@ removed again with ``sampling_fault_remove``; production code has no switch for 
 On the device drafter (``"drafter": "device"``, vLLM's draft sampler) the ``"temperature"`` fault
 wraps its ``_sample_from_logits``: tokens drawn at temperature 1.0, the probabilities handed on at
 the request's temperature (:class:`DeviceSamplingFaultExtension`, which also pins step costs).
+Its ``"lookup_probs"`` fault (``"drafts": "hybrid"``) hands the verifier, for a prompt-lookup
+draft in a step that also ran a layer-skip pass, the pass's draft probabilities at that row
+instead of the lookup's deterministic proposal (probability 1 on the looked-up token).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import torch
 from tests.pinned_costs import PinnedCostsExtension
 from vllm_selfspec.worker_ext import SelfSpecWorkerExtension
 
-_PATCHED = ("_pick_tokens", "_draft_forward", "_sample_from_logits")
+_PATCHED = ("_pick_tokens", "_draft_forward", "_sample_from_logits", "take_last_draft_probs")
 
 
 class SamplingFaultExtension(SelfSpecWorkerExtension):
@@ -49,7 +52,9 @@ class SamplingFaultExtension(SelfSpecWorkerExtension):
         drafter = self._sampling_fault_drafter()
         self.sampling_fault_remove()
         drafter._fault_hits = 0  # sampled draft rows whose probabilities the fault replaced
-        if kind == "temperature" and self._drafter_kind == "device":
+        if kind == "lookup_probs" and self._drafter_kind == "device":
+            _install_device_lookup_probs_fault(drafter)
+        elif kind == "temperature" and self._drafter_kind == "device":
             _install_device_temperature_fault(drafter)
         elif kind == "temperature":
             _install_temperature_fault(drafter)
@@ -124,6 +129,14 @@ class DeviceSamplingFaultExtension(SamplingFaultExtension, PinnedCostsExtension)
 
     _drafter_kind = "device"
 
+    def pin_lookup_acceptance(self, value: float) -> bool:
+        """Hybrid drafts: every request's lookup acceptance estimate reads ``value``, so that
+        the source choice does not follow what the sampled text happens to repeat."""
+        drafter = self._sampling_fault_drafter()
+        assert drafter.lookup_acceptance is not None, "not a hybrid drafter"
+        drafter.lookup_acceptance.acceptance = lambda req_id: value
+        return True
+
 
 def _install_device_temperature_fault(drafter: Any) -> None:
     original = drafter._sample_from_logits
@@ -144,3 +157,20 @@ def _install_device_temperature_fault(drafter: Any) -> None:
         return tokens, probs
 
     drafter._sample_from_logits = sample_from_logits
+
+
+def _install_device_lookup_probs_fault(drafter: Any) -> None:
+    original = drafter.take_last_draft_probs
+
+    def take_last_draft_probs():
+        raw = drafter._last_draft_probs
+        if raw is None or not drafter._lookups:
+            return original()
+        raw = raw.clone()
+        right = original()  # lookup rows one-hot (and widened to the longest lookup draft)
+        wrong = right.clone()
+        wrong[:, : raw.shape[1]] = raw  # lookup rows: the pass's probabilities there
+        drafter._fault_hits += len(drafter._lookups)
+        return wrong
+
+    drafter.take_last_draft_probs = take_last_draft_probs

@@ -47,7 +47,8 @@ def _profile_file(tmp_path: Path, name: str = "smol", **kw: Any) -> Path:
 
 def test_draft_keys_are_the_tunable_selfspec_keys() -> None:
     online = {"layer_selection", "online_search", "online_profile_out"}
-    serving = {"drafter"}  # how the engine drafts, not a property of the skip set
+    # how the engine drafts, not a property of the skip set
+    serving = {"drafter", "drafts", "prompt_lookup_min", "prompt_lookup_max"}
     tunables = SELFSPEC_KEYS - {"skip_attention", "skip_mlp", "profile"} - online - serving
     assert DRAFT_KEYS == tunables | {"num_speculative_tokens"}
 
@@ -393,6 +394,9 @@ def test_settings_round_trip_through_json() -> None:
         "online_search",
         "online_profile_out",
         "drafter",
+        "drafts",
+        "prompt_lookup_min",
+        "prompt_lookup_max",
     }
 
 
@@ -463,3 +467,34 @@ def test_device_drafter_refuses_what_it_lacks(extra: dict, match: str) -> None:
 def test_drafter_value_is_checked() -> None:
     with pytest.raises(SelfSpecConfigError, match="drafter must be 'host' or 'device'"):
         resolve_settings({"drafter": "gpu"}, SMOL, 6)
+
+
+def test_draft_sources_and_lookup_sizes() -> None:
+    s = resolve_settings({}, SMOL, 6)
+    assert (s.drafts, s.prompt_lookup_min, s.prompt_lookup_max) == ("layer_skip", 2, 4)
+    hybrid = resolve_settings({"drafter": "device", "drafts": "hybrid"}, SMOL, 6)
+    assert hybrid.drafts == "hybrid" and "drafts=hybrid" in hybrid.describe()
+    assert SelfSpecSettings.from_dict(json.loads(json.dumps(hybrid.to_dict()))) == hybrid
+    # one size given: the other follows it (as vLLM's ngram method does)
+    low = resolve_settings({"drafter": "device", "drafts": "lookup", "prompt_lookup_max": 1},
+                           SMOL, 6)
+    assert (low.prompt_lookup_min, low.prompt_lookup_max) == (1, 1)
+    high = resolve_settings({"drafter": "device", "drafts": "lookup", "prompt_lookup_min": 6},
+                            SMOL, 6)
+    assert (high.prompt_lookup_min, high.prompt_lookup_max) == (6, 6)
+
+
+@pytest.mark.parametrize(
+    ("spec", "match"),
+    [
+        ({"drafts": "hybrid"}, "needs drafter 'device'"),
+        ({"drafter": "device", "drafts": "ngram"}, "drafts must be one of 'layer_skip'"),
+        ({"drafter": "device", "prompt_lookup_min": 0}, "prompt_lookup_min must be an integer"),
+        ({"drafter": "device", "prompt_lookup_max": "4"}, "prompt_lookup_max must be an integer"),
+        ({"drafter": "device", "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "must be <="),
+        ({"draft": "hybrid"}, "did you mean 'drafts'"),
+    ],
+)
+def test_draft_source_errors(spec: dict, match: str) -> None:
+    with pytest.raises(SelfSpecConfigError, match=match):
+        resolve_settings(spec, SMOL, 6)

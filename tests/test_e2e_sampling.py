@@ -77,8 +77,20 @@ DEVICE_CONFIGS = {
     "top_p": ("top_p", False),
     "t0.7 adaptive": ("t0.7", True),
 }
-# probabilistic drafts per configuration, argmax drafts, the device drafter's configurations
-NUM_EQUALITY_TESTS = len(CONFIGS) + 1 + len(DEVICE_CONFIGS)
+# hybrid drafts (prompt lookup beside layer skipping, device drafter): a model with small weights
+# whose greedy text loops, prompted with its own greedy continuation, and n-grams of 1..2 tokens,
+# so that lookups are frequent in sampled text; k fixed; step costs pinned with a dear draft
+# forward and the lookup acceptance pinned high, so that a lookup draft is taken wherever one is
+# found
+HYBRID = {"drafts": "hybrid", "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+HYBRID_CONFIG = "t0.7"
+HYBRID_PROMPT_GREEDY_TOKENS = 25
+# every prefill of a step fits the token budget (vLLM's CPU build kills a plain engine when a
+# seeded request's prefill is chunked: patch 4 covers selfspec engines only)
+HYBRID_ENGINE = {"max_num_batched_tokens": 8192}
+# probabilistic drafts per configuration, argmax drafts, the device drafter's configurations,
+# hybrid drafts
+NUM_EQUALITY_TESTS = len(CONFIGS) + 1 + len(DEVICE_CONFIGS) + 1
 ALPHA_PER_TEST = ALPHA / (NUM_EQUALITY_TESTS * NEW_TOKENS)
 MIN_POWER = 0.9
 MAX_CELLS = 16
@@ -227,6 +239,60 @@ def device(model_dir, prompt):
         return out
 
 
+@pytest.fixture(scope="module")
+def hybrid_model_dir():
+    from vllm_selfspec.testing.tiny_models import tiny_model_dir
+
+    return tiny_model_dir("e2e-llama-loops", arch="llama", num_layers=8, initializer_range=0.05)
+
+
+@pytest.fixture(scope="module")
+def hybrid_plain(hybrid_model_dir, prompt):
+    """The looping model's plain samples, from its own greedy continuation of the prompt."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    with engine(hybrid_model_dir, **HYBRID_ENGINE) as llm:
+        greedy = SamplingParams(temperature=0.0, max_tokens=HYBRID_PROMPT_GREEDY_TOKENS,
+                                ignore_eos=True)
+        [out] = llm.generate([prompt], greedy, use_tqdm=False)
+        looping = TokensPrompt(
+            prompt_token_ids=list(prompt["prompt_token_ids"]) + list(out.outputs[0].token_ids)
+        )
+        return looping, _sample(llm, looping, HYBRID_CONFIG, 0)
+
+
+@pytest.fixture(scope="module")
+def hybrid(hybrid_model_dir, hybrid_plain):
+    from tests.pinned_costs import pin_step_costs
+
+    looping, _ = hybrid_plain
+    spec = {"method": "selfspec", **SKIP, "drafter": "device", **HYBRID}
+    with engine(hybrid_model_dir, spec, worker_extension_cls=DEVICE_FAULT_EXTENSION,
+                **HYBRID_ENGINE) as llm:
+        pin_step_costs(llm, draft_ratio=1.0)
+        # lookups land rarely in text sampled at 0.7, and the drafter would stop taking them:
+        # pinned, it takes every lookup draft it finds, so that the test is about them
+        assert llm.collective_rpc("pin_lookup_acceptance", args=(0.9,)) == [True]
+        out = {}
+        for name, seed, fault in (("ok", 40_000_000, None), ("fault", 50_000_000, "lookup_probs")):
+            [before] = drafter_stats(llm)
+            if fault:
+                assert llm.collective_rpc("sampling_fault_install", args=(fault,)) == [True]
+            try:
+                samples, counters = _sample_drafting(
+                    llm, looping, HYBRID_CONFIG, seed, every_slot=False
+                )
+            finally:
+                if fault:
+                    out["fault_hits"] = llm.collective_rpc("sampling_fault_remove")
+            [after] = drafter_stats(llm)
+            for key in ("lookup_tokens", "lookup_rows", "lookup_only_steps", "draft_tokens"):
+                counters[key] = after[key] - before[key]
+            out[name] = samples, counters
+        return out
+
+
 def _min_p_value(a: np.ndarray, b: np.ndarray) -> float:
     p_values = position_p_values(a, b, max_cells=MAX_CELLS)
     print(f"per-position p-values: {np.array2string(p_values, precision=3)}")
@@ -297,6 +363,27 @@ def test_injected_bug_in_the_device_drafter_is_detected(plain, device):
     assert hits and min(hits) > 0, hits  # the fault really replaced the drafts
     p = _min_p_value(plain[DEVICE_FAULT_CONFIG], device["fault"])
     print(f"device drafter, fault temperature at {DEVICE_FAULT_CONFIG}: min p-value {p:.3g}")
+    assert p < ALPHA_PER_TEST
+
+
+def test_hybrid_drafts_keep_the_distribution(hybrid_plain, hybrid):
+    """Prompt-lookup drafts (deterministic proposals: probability 1 on the looked-up token) beside
+    sampled layer-skip drafts, in the same steps and across steps."""
+    samples, counters = hybrid["ok"]
+    print(f"hybrid drafts: acceptance {_acceptance(counters):.3f}, {counters['lookup_tokens']} "
+          f"of {counters['draft_tokens']} draft tokens from lookups ({counters['lookup_rows']} "
+          f"request-steps, {counters['lookup_only_steps']} steps without a pass)")
+    # both sources drafted, enough for the test to be about them
+    assert 0.05 * counters["draft_tokens"] < counters["lookup_tokens"] < counters["draft_tokens"]
+    assert _min_p_value(hybrid_plain[1], samples) > ALPHA_PER_TEST
+
+
+def test_injected_lookup_probability_bug_is_detected(hybrid_plain, hybrid):
+    """Negative control of the hybrid test: a lookup draft handed to the verifier with the
+    pass's draft probabilities at its row instead of its deterministic proposal."""
+    assert hybrid["fault_hits"][0] > 0, hybrid["fault_hits"]
+    p = _min_p_value(hybrid_plain[1], hybrid["fault"][0])
+    print(f"hybrid drafts, fault lookup_probs at {HYBRID_CONFIG}: min p-value {p:.3g}")
     assert p < ALPHA_PER_TEST
 
 

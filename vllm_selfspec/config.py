@@ -26,6 +26,12 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from vllm_selfspec.errors import SelfSpecConfigError
+from vllm_selfspec.lookup import (
+    DEFAULT_DRAFTS,
+    DEFAULT_PROMPT_LOOKUP_MAX,
+    DEFAULT_PROMPT_LOOKUP_MIN,
+    DRAFT_SOURCES,
+)
 from vllm_selfspec.profiles import (
     ModelFingerprint,
     Profile,
@@ -82,6 +88,9 @@ SELFSPEC_KEYS = frozenset(
         "online_search",
         "online_profile_out",
         "drafter",
+        "drafts",
+        "prompt_lookup_min",
+        "prompt_lookup_max",
     }
 )
 """The selfspec-specific keys of a speculative config (``num_speculative_tokens`` is vLLM's)."""
@@ -141,6 +150,36 @@ def _check_drafter(value: object, where: str) -> str:
         allowed = " or ".join(repr(m) for m in DRAFTERS)
         raise SelfSpecConfigError(f"{where} must be {allowed}, got {value!r}")
     return value
+
+
+def _check_drafts(value: object, where: str) -> str:
+    if not isinstance(value, str) or value not in DRAFT_SOURCES:
+        allowed = ", ".join(repr(m) for m in DRAFT_SOURCES)
+        raise SelfSpecConfigError(f"{where} must be one of {allowed}, got {value!r}")
+    return value
+
+
+def _check_prompt_lookup(low: object, high: object) -> None:
+    for key, value in (("prompt_lookup_min", low), ("prompt_lookup_max", high)):
+        if not _is_int(value) or value < 1:  # type: ignore[operator]
+            raise SelfSpecConfigError(f"{key} must be an integer >= 1, got {value!r}")
+    if low > high:  # type: ignore[operator]
+        raise SelfSpecConfigError(
+            f"prompt_lookup_min={low} must be <= prompt_lookup_max={high}"
+        )
+
+
+def _prompt_lookup_sizes(given: Mapping[str, Any]) -> tuple[int, int]:
+    """The n-gram sizes of prompt lookup: the defaults, or around the one size given."""
+    low, high = given.get("prompt_lookup_min"), given.get("prompt_lookup_max")
+    for key, value in (("prompt_lookup_min", low), ("prompt_lookup_max", high)):
+        if value is not None and (not _is_int(value) or value < 1):
+            raise SelfSpecConfigError(f"{key} must be an integer >= 1, got {value!r}")
+    if low is None:
+        low = DEFAULT_PROMPT_LOOKUP_MIN if high is None else min(DEFAULT_PROMPT_LOOKUP_MIN, high)
+    if high is None:
+        high = max(DEFAULT_PROMPT_LOOKUP_MAX, low)
+    return low, high
 
 
 def _check_layer_selection(value: object, where: str) -> str:
@@ -224,6 +263,9 @@ class SelfSpecSettings:
     online_search: dict[str, Any] | None = None
     online_profile_out: str | None = None
     drafter: str = DEFAULT_DRAFTER
+    drafts: str = DEFAULT_DRAFTS
+    prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP_MIN
+    prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP_MAX
 
     def __post_init__(self) -> None:
         n = self.num_hidden_layers
@@ -261,6 +303,13 @@ class SelfSpecSettings:
         )
         _check_profile_out(self.online_profile_out, "online_profile_out")
         _check_drafter(self.drafter, "drafter")
+        _check_drafts(self.drafts, "drafts")
+        _check_prompt_lookup(self.prompt_lookup_min, self.prompt_lookup_max)
+        if self.drafts != "layer_skip" and self.drafter != "device":
+            raise SelfSpecConfigError(
+                f"drafts={self.drafts!r} (prompt-lookup drafts) needs drafter 'device'; the "
+                f"'{self.drafter}' drafter drafts with layer skipping only ('layer_skip')"
+            )
         if self.drafter == "device":
             if self.layer_selection != "static":
                 raise SelfSpecConfigError(
@@ -315,6 +364,12 @@ class SelfSpecSettings:
             f"adaptive={self.adaptive}, draft_confidence_threshold="
             f"{self.draft_confidence_threshold}, target_acceptance={self.target_acceptance}, "
             f"draft_sampling={self.draft_sampling}, layer_selection={self.layer_selection}"
+            + (
+                f", drafts={self.drafts} (prompt lookup n-grams {self.prompt_lookup_min}.."
+                f"{self.prompt_lookup_max})"
+                if self.drafts != "layer_skip"
+                else ""
+            )
         )
 
 
@@ -468,6 +523,7 @@ def resolve_settings(
         k = _check_num_speculative_tokens(
             *pick("num_speculative_tokens", DEFAULT_NUM_SPECULATIVE_TOKENS)
         )
+    lookup_min, lookup_max = _prompt_lookup_sizes(given)
     settings = SelfSpecSettings(
         num_speculative_tokens=k,
         skip_attention=skip_attention,
@@ -490,6 +546,9 @@ def resolve_settings(
         online_search=given.get("online_search"),
         online_profile_out=given.get("online_profile_out"),
         drafter=drafter,
+        drafts=_check_drafts(given.get("drafts", DEFAULT_DRAFTS), "drafts"),
+        prompt_lookup_min=lookup_min,
+        prompt_lookup_max=lookup_max,
     )
     logger.debug("selfspec settings for %s: %s", model.describe(), settings.describe())
     return settings

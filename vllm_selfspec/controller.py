@@ -328,6 +328,7 @@ class DraftLengthController:
         self._cal_try = np.zeros(config.calibration_bins)
         self._cal_acc = np.zeros(config.calibration_bins)
         self._exit_floor = 1.0
+        self.explored_last_plan = False  # the last plan drafted nothing to measure a plain step
 
     @classmethod
     def for_settings(cls, settings: Any, k_max: int) -> DraftLengthController:
@@ -634,6 +635,7 @@ class DraftLengthController:
                 for i, k in zip(candidates, plan, strict=True):
                     budgets[i] = int(k)
 
+        self.explored_last_plan = explored
         b = bucket(len(ids))
         drafting = any(k > 0 for k in budgets)
         self._since_plain[b] = self._since_plain.get(b, 0) + 1 if drafting else 0
@@ -644,6 +646,14 @@ class DraftLengthController:
             w.planned_drafts += k
             w.planned_off += k == 0 and not explored
         return budgets
+
+    def request_acceptance(self, req_id: str) -> float:
+        """The per-token acceptance estimate of ``req_id``'s drafts."""
+        return self._state(req_id).acceptance
+
+    def request_cap(self, req_id: str) -> int:
+        """``req_id``'s most drafts per step as of the last plan (``k_max`` or its override)."""
+        return self._state(req_id).cap
 
     def _explore_due(self, batch_size: int, fixed: list[tuple[float, int]]) -> bool:
         """Whether this step should be a plain step to measure its cost (rule 3)."""

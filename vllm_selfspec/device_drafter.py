@@ -52,6 +52,7 @@ from vllm.v1.spec_decode.draft_model import DraftModelProposer
 from vllm_selfspec.config import SelfSpecSettings
 from vllm_selfspec.controller import DraftLengthController, running_request_overrides
 from vllm_selfspec.cost_feed import CostFeed
+from vllm_selfspec.lookup import LookupAcceptance, lookup_pays
 from vllm_selfspec.patches import (
     ADDITIONAL_CONFIG_KEY,
     patch_runner_cpu_discarded_generators,
@@ -60,6 +61,7 @@ from vllm_selfspec.patches import (
     patch_runner_sample_without_drafts,
     patch_runner_take_draft_token_ids,
 )
+from vllm_selfspec.prompt_lookup import valid_sampled
 from vllm_selfspec.skip_forward import LayerSkipForward, decoder_stack
 from vllm_selfspec.step_costs import StepCostRecorder
 
@@ -149,12 +151,40 @@ class SelfSpecDeviceProposer(DraftModelProposer):
             "draft_tokens": 0,  # handed to verification, after the trim
             "trimmed_tokens": 0,
             "confidence_exits": 0,
+            # prompt-lookup drafts ("drafts": "hybrid" / "lookup"); the rest of draft_tokens
+            # came from layer-skip passes
+            "lookup_rows": 0,  # request-steps handed a lookup draft
+            "lookup_tokens": 0,
+            "lookup_accepted": 0,
+            "lookup_only_steps": 0,  # steps whose every draft was a lookup: no pass
         }
+        # Prompt lookup: this step's sampled tokens (from the runner), the drafts found, the
+        # ones chosen, and the source of what was handed out last step.
+        self._lookup = None
+        self.lookup_acceptance: LookupAcceptance | None = None
+        if self.settings.drafts != "layer_skip":
+            from vllm_selfspec.prompt_lookup import PromptLookup
+
+            self._lookup = PromptLookup(
+                self.settings.prompt_lookup_min,
+                self.settings.prompt_lookup_max,
+                self.k_max,
+                self.max_model_len,
+            )
+            self.lookup_acceptance = LookupAcceptance()
+        self._sampled: torch.Tensor | None = None
+        self._found: dict[str, list[int]] = {}
+        self._lookups: dict[str, list[int]] = {}
+        self._handed_lookup: set[str] = set()
         if runner is not None:
             patch_runner_input_fits_in_drafter(runner)
             patch_runner_cpu_discarded_generators(runner)
             patch_runner_take_draft_token_ids(runner, self.trim)
-            patch_runner_propose_without_drafts(runner, self.plan_step_without_drafts)
+            patch_runner_propose_without_drafts(
+                runner,
+                self.plan_step_without_drafts,
+                self._see_sampled if self._lookup is not None else None,
+            )
             patch_runner_sample_without_drafts(runner, self._count_plain_sampled)
         logger.info("selfspec device drafter: %s, k=%d", self.settings.describe(), self.k_max)
 
@@ -239,13 +269,33 @@ class SelfSpecDeviceProposer(DraftModelProposer):
         self._last_req_ids = req_ids
         self.counters["steps"] += 1
         self._step_confidences = []
+        self._found = self._find_lookups(req_ids, discarded)
         return self._plan([r for r, d in zip(req_ids, discarded, strict=True) if not d], k_limit)
+
+    def _see_sampled(self, sampled_token_ids: torch.Tensor) -> None:
+        self._sampled = sampled_token_ids
+
+    def _find_lookups(self, req_ids: list[str], discarded: list[bool]) -> dict[str, list[int]]:
+        """This step's prompt-lookup drafts, by request (none without ``drafts`` lookup/hybrid)."""
+        sampled, self._sampled = self._sampled, None
+        if self._lookup is None or sampled is None or not req_ids:
+            return {}
+        batch = self.runner.input_batch
+        rows = [row for row, d in enumerate(discarded) if not d]
+        found = self._lookup.find(
+            batch.token_ids_cpu,
+            batch.num_tokens_no_spec,
+            valid_sampled(sampled, len(req_ids)),
+            rows,
+        )
+        return {req_ids[row]: tokens for row, tokens in found.items()}
 
     def _count_plain_sampled(self) -> None:
         self.counters["plain_sampled"] += 1
 
     def _no_pass(self, batch_size: int) -> torch.Tensor:
         self.counters["passes_skipped"] += 1
+        self.counters["lookup_only_steps"] += bool(self._lookups)
         self._last_draft_probs = None  # the runner reads it after every propose
         return torch.empty((batch_size, 0), dtype=torch.int64, device=self.device)
 
@@ -268,6 +318,7 @@ class SelfSpecDeviceProposer(DraftModelProposer):
         (drafted: what the scheduler scheduled; accepted: drafted minus vLLM's rejected count);
         returns how many drafts were verified."""
         confidences, self._kept_confidences = self._kept_confidences, {}
+        from_lookup, self._handed_lookup = self._handed_lookup, set()
         total = 0
         if num_rejected is not None and req_ids:
             rejected = num_rejected[: len(req_ids)].tolist()  # one read per step
@@ -277,6 +328,12 @@ class SelfSpecDeviceProposer(DraftModelProposer):
                 if not drafted:
                     continue
                 total += drafted
+                if req_id in from_lookup:
+                    accepted = drafted - int(rejected[row])
+                    self.counters["lookup_accepted"] += accepted
+                    assert self.lookup_acceptance is not None
+                    self.lookup_acceptance.observe(req_id, drafted, accepted)
+                    continue
                 self.controller.observe_verification(
                     req_id,
                     drafted=drafted,
@@ -284,6 +341,8 @@ class SelfSpecDeviceProposer(DraftModelProposer):
                     confidences=confidences.get(req_id, [])[:drafted],
                 )
         self.controller.retain(req_ids)
+        if self.lookup_acceptance is not None:
+            self.lookup_acceptance.retain(req_ids)
         return total
 
     def _plan(self, req_ids: list[str], k_limit: int) -> int:
@@ -293,8 +352,54 @@ class SelfSpecDeviceProposer(DraftModelProposer):
             self.runner, req_ids, self.k_max, self._bad_override_warned
         )
         budgets = self.controller.plan(req_ids, overrides=overrides)
+        self._lookups = self._choose_lookups(req_ids, budgets, k_limit)
+        if self.settings.drafts == "lookup":  # prompt lookup only: no layer-skip pass ever
+            budgets = [0] * len(budgets)
+        elif self._lookups:
+            budgets = [
+                0 if r in self._lookups else b for r, b in zip(req_ids, budgets, strict=True)
+            ]
         self._budgets = dict(zip(req_ids, budgets, strict=True))
         return max(0, min(max(budgets, default=0), k_limit, self.k_max))
+
+    def _choose_lookups(
+        self, req_ids: list[str], budgets: list[int], k_limit: int
+    ) -> dict[str, list[int]]:
+        """The requests that draft by prompt lookup this step, with their drafts: every request
+        with a lookup draft for ``drafts`` lookup; for hybrid, those whose lookup draft pays at
+        least as well as their layer-skip budget (:func:`vllm_selfspec.lookup.lookup_pays`). None
+        on the controller's plain-step measurements."""
+        found, self._found = self._found, {}
+        if not found or self.controller.explored_last_plan:
+            return {}
+        assert self.lookup_acceptance is not None
+        batch = len(req_ids)
+        hybrid = self.settings.drafts == "hybrid"
+        draft_cost = self.controller.cost_ratio(batch) if hybrid else 0.0
+        verify = (
+            [self.controller.verify_cost_ratio(batch, k) for k in range(self.k_max + 1)]
+            if hybrid
+            else []
+        )
+        chosen = {}
+        for req_id, budget in zip(req_ids, budgets, strict=True):
+            tokens = found.get(req_id)
+            cap = min(self.controller.request_cap(req_id), k_limit, self.k_max)
+            if not tokens or cap <= 0:
+                continue
+            tokens = tokens[:cap]
+            if hybrid and not lookup_pays(
+                lookup_acceptance=self.lookup_acceptance.acceptance(req_id),
+                lookup_len=len(tokens),
+                skip_acceptance=self.controller.request_acceptance(req_id),
+                skip_budget=budget,
+                verify_cost=verify.__getitem__,
+                draft_cost=draft_cost,
+                min_gain=self.controller.config.min_gain,
+            ):
+                continue
+            chosen[req_id] = tokens
+        return chosen
 
     def _sample_draft_tokens(self, hidden_states: torch.Tensor, sampling_metadata: Any) -> Any:
         """vLLM's draft sampling, plus each row's top-1 probability of the drafted token (the
@@ -385,6 +490,14 @@ class SelfSpecDeviceProposer(DraftModelProposer):
         )
         out = []
         for row, (req_id, tokens) in enumerate(zip(req_ids, drafts, strict=True)):
+            lookup = self._lookups.get(req_id)
+            if lookup is not None:  # a lookup draft in place of this row's pass output
+                self._handed_lookup.add(req_id)
+                self.counters["lookup_rows"] += 1
+                self.counters["lookup_tokens"] += len(lookup)
+                self.counters["draft_tokens"] += len(lookup)
+                out.append(list(lookup))
+                continue
             budget = min(self._budgets.get(req_id, 0), len(tokens))
             keep = budget
             if confidences is not None:
@@ -401,6 +514,27 @@ class SelfSpecDeviceProposer(DraftModelProposer):
             out.append(tokens[:keep])
         return out
 
+    def take_last_draft_probs(self) -> torch.Tensor | None:
+        """The pass's draft probabilities, with each lookup row's drafts as the deterministic
+        proposals they are (probability 1 on the looked-up token), for vLLM's rejection sampler.
+        None when no pass ran: vLLM then treats every draft as deterministic, as for ``ngram``."""
+        probs = super().take_last_draft_probs()
+        if probs is None or not self._lookups:
+            return probs
+        width = max(len(t) for t in self._lookups.values())
+        if width > probs.shape[1]:  # a lookup draft longer than the pass
+            wider = probs.new_zeros((probs.shape[0], width, probs.shape[2]))
+            wider[:, : probs.shape[1]] = probs
+            probs = wider
+        for row, req_id in enumerate(self.runner.input_batch.req_ids):
+            tokens = self._lookups.get(req_id)
+            if tokens:
+                index = torch.tensor(tokens, dtype=torch.int64, device=probs.device)
+                probs[row, : len(tokens)] = 0.0
+                probs[row, torch.arange(len(tokens), device=probs.device), index] = 1.0
+        self._last_draft_probs = probs
+        return probs
+
     def stats(self) -> dict[str, Any]:
         costs = self._costs.snapshot()
         batch = max(1, len(self._last_req_ids))
@@ -410,6 +544,11 @@ class SelfSpecDeviceProposer(DraftModelProposer):
             # draft rows stopped at max_model_len (they write nothing past it)
             "rows_past_end": int(self._past_end_rows.item()),
             "controller": self.controller.stats(),
+            "drafts": self.settings.drafts,
+            "lookup_acceptance": (
+                None if self.lookup_acceptance is None
+                else self.lookup_acceptance.engine_acceptance()
+            ),
             "draft_cost_s": float(costs.draft_cost(batch, batch)) if costs.draft else None,
             "plain_step_s": costs.plain_cost(batch) if costs.has_plain(batch) else None,
             "k_max": self.k_max,

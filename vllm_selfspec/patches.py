@@ -568,7 +568,9 @@ def patch_runner_take_draft_token_ids(runner: Any, trim: Any) -> None:
     runner.take_draft_token_ids = take_draft_token_ids
 
 
-def patch_runner_propose_without_drafts(runner: Any, plan_step: Any) -> None:
+def patch_runner_propose_without_drafts(
+    runner: Any, plan_step: Any, see_sampled: Callable[[Any], None] | None = None
+) -> None:
     """Instance wrap of ``runner.propose_draft_token_ids`` (device drafter, CPU).
 
     Before it calls the drafter, vLLM's runner prepares the draft pass's inputs on every step:
@@ -580,7 +582,9 @@ def patch_runner_propose_without_drafts(runner: Any, plan_step: Any) -> None:
     ``plan_step(num_spec_tokens_to_schedule, batch_size)`` first on such steps; it returns the
     (empty) drafts when no pass runs, else ``None`` and the wrapper delegates. Steps that
     verified drafts, and runners that copy sampled-token counts to the host for the next step
-    (``valid_sampled_token_count_event``, CUDA), always delegate.
+    (``valid_sampled_token_count_event``, CUDA), always delegate. ``see_sampled`` gets every
+    step's sampled tokens first (vLLM hands them to the runner's method, not to the drafter's
+    ``propose``): the prompt-lookup source matches n-grams that end in them.
     """
     original = runner.propose_draft_token_ids
     if getattr(original, _SENTINEL, False):
@@ -598,6 +602,8 @@ def patch_runner_propose_without_drafts(runner: Any, plan_step: Any) -> None:
         *args: Any,
         **kwargs: Any,
     ) -> Any:
+        if see_sampled is not None:
+            see_sampled(sampled_token_ids)
         verified_none = spec_decode_metadata is None or not any(
             spec_decode_metadata.num_draft_tokens
         )

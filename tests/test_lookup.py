@@ -1,0 +1,81 @@
+"""Prompt-lookup drafts: the source choice and acceptance estimate (no vLLM), and the matcher
+(vLLM's n-gram kernel over the runner's token table plus the step's sampled tokens)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from vllm_selfspec.controller import expected_tokens
+from vllm_selfspec.lookup import LookupAcceptance, lookup_pays
+
+
+def _pays(**kw) -> bool:
+    args = dict(lookup_acceptance=0.6, lookup_len=4, skip_acceptance=0.6, skip_budget=4,
+                verify_cost=lambda k: 1.0 + 0.05 * k, draft_cost=0.4, min_gain=0.05)
+    return lookup_pays(**{**args, **kw})
+
+
+def test_lookup_wins_at_equal_acceptance_it_costs_no_forward():
+    assert _pays()
+
+
+def test_lookup_loses_to_much_better_layer_skip_drafts():
+    assert not _pays(lookup_acceptance=0.2, skip_acceptance=0.95, draft_cost=0.05)
+
+
+def test_lookup_must_beat_plain_decoding():
+    # nothing to compare with (layer skip off): a lookup draft that lands too rarely is not
+    # worth its verification
+    assert not _pays(lookup_acceptance=0.02, skip_budget=0, verify_cost=lambda k: 1.0 + 0.2 * k)
+    assert _pays(lookup_acceptance=0.5, skip_budget=0)
+    assert not _pays(lookup_len=0)
+
+
+def test_the_rule_is_expected_tokens_per_time():
+    v = lambda k: 1.0 + 0.1 * k  # noqa: E731
+    lookup = expected_tokens(0.5, 3) / v(3)
+    skip = expected_tokens(0.8, 4) / (v(4) + 4 * 0.1)
+    assert _pays(lookup_acceptance=0.5, lookup_len=3, skip_acceptance=0.8, verify_cost=v,
+                 draft_cost=0.1) == (lookup >= skip and lookup > 1.05)
+
+
+def test_acceptance_per_request_from_the_engine_prior():
+    acc = LookupAcceptance(prior=0.5, prior_weight=2.0)
+    assert acc.acceptance("a") == 0.5
+    for _ in range(20):
+        acc.observe("a", drafted=4, accepted=4)
+    assert acc.acceptance("a") > 0.9
+    # a new request starts from what the engine saw
+    assert 0.5 < acc.acceptance("b") < acc.acceptance("a")
+    for _ in range(20):
+        acc.observe("b", drafted=4, accepted=0)
+    assert acc.acceptance("b") < 0.1
+    acc.observe("c", drafted=0, accepted=0)  # nothing verified: no-op
+    acc.retain(["b"])
+    assert acc.acceptance("a") == acc.engine_acceptance()
+
+
+def test_prompt_lookup_matches_with_this_steps_tokens():
+    pytest.importorskip("numba")
+    from vllm_selfspec.prompt_lookup import PromptLookup, valid_sampled
+
+    lookup = PromptLookup(min_n=2, max_n=4, k=4, max_model_len=64)
+    table = np.zeros((3, 64), dtype=np.int32)
+    table[0, :7] = [5, 6, 7, 8, 9, 5, 6]
+    table[1, :3] = [1, 2, 3]
+    table[2, :4] = [4, 4, 4, 4]
+    sampled = valid_sampled(np.array([[7, -1], [1, 2], [4, -1]]), 3)
+    assert sampled == [[7], [1, 2], [4]]
+    found = lookup.find(table, np.array([7, 3, 4]), sampled, rows=[0, 1])
+    # row 0: ...5 6 7 matches 5 6 7 at the start, then 8 9 5 6; row 1: 1 2 then 3 1 2;
+    # row 2 not asked for
+    assert found == {0: [8, 9, 5, 6], 1: [3, 1, 2]}
+    # the table itself is not written
+    assert table[0, 7] == 0 and table[1, 3] == 0
+    # no match: left out; near max_model_len: cut at the limit
+    assert lookup.find(table, np.array([7, 3, 4]), [[1], [9], [4]], rows=[0, 1]) == {}
+    near = np.zeros((1, 64), dtype=np.int32)
+    near[0, :62] = [1, 2] * 31
+    assert lookup.find(near, np.array([62]), [[1]], rows=[0]) == {0: [2]}
+    assert lookup.find(table, np.array([7, 3, 4]), sampled, rows=[]) == {}
