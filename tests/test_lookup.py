@@ -7,13 +7,17 @@ import numpy as np
 import pytest
 
 from vllm_selfspec.controller import expected_tokens
-from vllm_selfspec.lookup import LookupAcceptance, lookup_pays
+from vllm_selfspec.lookup import LookupAcceptance, lookup_length
+
+
+def _length(**kw) -> int:
+    args = dict(lookup_acceptance=0.6, lookup_len=4, skip_acceptance=0.6, skip_budget=4,
+                verify_cost=lambda k: 1.0 + 0.05 * k, draft_cost=0.4, min_gain=0.05)
+    return lookup_length(**{**args, **kw})
 
 
 def _pays(**kw) -> bool:
-    args = dict(lookup_acceptance=0.6, lookup_len=4, skip_acceptance=0.6, skip_budget=4,
-                verify_cost=lambda k: 1.0 + 0.05 * k, draft_cost=0.4, min_gain=0.05)
-    return lookup_pays(**{**args, **kw})
+    return _length(**kw) > 0
 
 
 def test_lookup_wins_at_equal_acceptance_it_costs_no_forward():
@@ -30,6 +34,15 @@ def test_lookup_must_beat_plain_decoding():
     assert not _pays(lookup_acceptance=0.02, skip_budget=0, verify_cost=lambda k: 1.0 + 0.2 * k)
     assert _pays(lookup_acceptance=0.5, skip_budget=0)
     assert not _pays(lookup_len=0)
+
+
+def test_rarely_landing_lookups_are_cut_where_verification_is_dear():
+    # a CPU verifies 4 drafts at nearly twice a plain step: at 27% acceptance only the first
+    # lookup draft pays (1.27 / 1.15), all four would not (1.37 / 1.9)
+    dear = lambda k: 1.0 + 0.15 * k + (0.3 if k > 1 else 0.0)  # noqa: E731
+    assert _length(lookup_acceptance=0.27, skip_budget=0, verify_cost=dear) == 1
+    assert _length(lookup_acceptance=0.95, skip_budget=0, verify_cost=dear) == 4
+    assert _length(lookup_acceptance=0.6, lookup_len=2) == 2
 
 
 def test_the_rule_is_expected_tokens_per_time():

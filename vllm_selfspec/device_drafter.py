@@ -52,7 +52,7 @@ from vllm.v1.spec_decode.draft_model import DraftModelProposer
 from vllm_selfspec.config import SelfSpecSettings
 from vllm_selfspec.controller import DraftLengthController, running_request_overrides
 from vllm_selfspec.cost_feed import CostFeed
-from vllm_selfspec.lookup import LookupAcceptance, lookup_pays
+from vllm_selfspec.lookup import LookupAcceptance, lookup_length
 from vllm_selfspec.patches import (
     ADDITIONAL_CONFIG_KEY,
     patch_runner_cpu_discarded_generators,
@@ -367,7 +367,8 @@ class SelfSpecDeviceProposer(DraftModelProposer):
     ) -> dict[str, list[int]]:
         """The requests that draft by prompt lookup this step, with their drafts: every request
         with a lookup draft for ``drafts`` lookup; for hybrid, those whose lookup draft pays at
-        least as well as their layer-skip budget (:func:`vllm_selfspec.lookup.lookup_pays`). None
+        least as well as their layer-skip budget, cut to the length that pays best
+        (:func:`vllm_selfspec.lookup.lookup_length`). None
         on the controller's plain-step measurements."""
         found, self._found = self._found, {}
         if not found or self.controller.explored_last_plan:
@@ -388,17 +389,18 @@ class SelfSpecDeviceProposer(DraftModelProposer):
             if not tokens or cap <= 0:
                 continue
             tokens = tokens[:cap]
-            if hybrid and not lookup_pays(
-                lookup_acceptance=self.lookup_acceptance.acceptance(req_id),
-                lookup_len=len(tokens),
-                skip_acceptance=self.controller.request_acceptance(req_id),
-                skip_budget=budget,
-                verify_cost=verify.__getitem__,
-                draft_cost=draft_cost,
-                min_gain=self.controller.config.min_gain,
-            ):
-                continue
-            chosen[req_id] = tokens
+            if hybrid:
+                tokens = tokens[: lookup_length(
+                    lookup_acceptance=self.lookup_acceptance.acceptance(req_id),
+                    lookup_len=len(tokens),
+                    skip_acceptance=self.controller.request_acceptance(req_id),
+                    skip_budget=budget,
+                    verify_cost=verify.__getitem__,
+                    draft_cost=draft_cost,
+                    min_gain=self.controller.config.min_gain,
+                )]
+            if tokens:
+                chosen[req_id] = tokens
         return chosen
 
     def _sample_draft_tokens(self, hidden_states: torch.Tensor, sampling_metadata: Any) -> Any:

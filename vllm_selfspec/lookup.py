@@ -84,7 +84,7 @@ class LookupAcceptance:
             del self._requests[req_id]
 
 
-def lookup_pays(
+def lookup_length(
     *,
     lookup_acceptance: float,
     lookup_len: int,
@@ -93,16 +93,23 @@ def lookup_pays(
     verify_cost: Callable[[int], float],
     draft_cost: float,
     min_gain: float,
-) -> bool:
-    """Whether ``lookup_len`` lookup drafts pay at least as well as the layer-skip budget (see
-    the module docstring); ``verify_cost(k)`` and ``draft_cost`` in plain steps."""
+) -> int:
+    """How many of the ``lookup_len`` lookup drafts to verify: the length ``j`` that maximises
+    ``E(a_lookup, j) / v(j)`` (fewer drafts cost less verification where they rarely land), when
+    that pays at least as well as the layer-skip budget and beats plain decoding by
+    ``min_gain`` (see the module docstring); 0: draft by layer skipping (or not at all).
+    ``verify_cost(k)`` and ``draft_cost`` in plain steps."""
     if lookup_len <= 0:
-        return False
-    rate_lookup = expected_tokens(lookup_acceptance, lookup_len) / verify_cost(lookup_len)
+        return 0
+    best_len, best_rate = 0, 0.0
+    for j in range(1, lookup_len + 1):
+        rate = expected_tokens(lookup_acceptance, j) / verify_cost(j)
+        if rate > best_rate:
+            best_len, best_rate = j, rate
     if skip_budget > 0:
         rate_skip = expected_tokens(skip_acceptance, skip_budget) / (
             verify_cost(skip_budget) + skip_budget * draft_cost
         )
     else:
         rate_skip = 1.0
-    return rate_lookup >= rate_skip and rate_lookup > 1.0 + min_gain
+    return best_len if best_rate >= rate_skip and best_rate > 1.0 + min_gain else 0
