@@ -34,6 +34,13 @@ Differences from vLLM's ``draft_model`` (each a method below, wrapping and deleg
   work, not draft forwards (the padded pass runs on; stopping it early would need a host sync per
   draft token).
 
+* With ``"drafts": "hybrid"`` (or ``"lookup"``) a request can draft by prompt lookup instead:
+  its newest n-gram matched against its own earlier tokens (vLLM's ``ngram`` kernel,
+  :mod:`vllm_selfspec.prompt_lookup`), taken when it pays at least as well as the layer-skip
+  budget (:mod:`vllm_selfspec.lookup`). Lookup rows get no layer-skip budget, a step whose every
+  drafting request took a lookup runs no pass, and lookup drafts reach the rejection sampler as
+  deterministic proposals (:meth:`SelfSpecDeviceProposer.take_last_draft_probs`).
+
 Not yet on this path (the ``host`` drafter has it): online layer selection.
 """
 
@@ -368,8 +375,8 @@ class SelfSpecDeviceProposer(DraftModelProposer):
         """The requests that draft by prompt lookup this step, with their drafts: every request
         with a lookup draft for ``drafts`` lookup; for hybrid, those whose lookup draft pays at
         least as well as their layer-skip budget, cut to the length that pays best
-        (:func:`vllm_selfspec.lookup.lookup_length`). None
-        on the controller's plain-step measurements."""
+        (:func:`vllm_selfspec.lookup.lookup_length`). None on the controller's plain-step
+        measurements."""
         found, self._found = self._found, {}
         if not found or self.controller.explored_last_plan:
             return {}
