@@ -170,15 +170,13 @@ def _check_prompt_lookup(low: object, high: object) -> None:
 
 
 def _prompt_lookup_sizes(given: Mapping[str, Any]) -> tuple[int, int]:
-    """The n-gram sizes of prompt lookup: the defaults, or around the one size given."""
+    """The n-gram sizes of prompt lookup: the defaults, or around the one size given (checked by
+    :class:`SelfSpecSettings`: a bad value is passed on as it is)."""
     low, high = given.get("prompt_lookup_min"), given.get("prompt_lookup_max")
-    for key, value in (("prompt_lookup_min", low), ("prompt_lookup_max", high)):
-        if value is not None and (not _is_int(value) or value < 1):
-            raise SelfSpecConfigError(f"{key} must be an integer >= 1, got {value!r}")
     if low is None:
-        low = DEFAULT_PROMPT_LOOKUP_MIN if high is None else min(DEFAULT_PROMPT_LOOKUP_MIN, high)
+        low = min(DEFAULT_PROMPT_LOOKUP_MIN, high) if _is_int(high) else DEFAULT_PROMPT_LOOKUP_MIN
     if high is None:
-        high = max(DEFAULT_PROMPT_LOOKUP_MAX, low)
+        high = max(DEFAULT_PROMPT_LOOKUP_MAX, low) if _is_int(low) else DEFAULT_PROMPT_LOOKUP_MAX
     return low, high
 
 

@@ -165,8 +165,8 @@ class SelfSpecDeviceProposer(DraftModelProposer):
             "lookup_accepted": 0,
             "lookup_only_steps": 0,  # steps whose every draft was a lookup: no pass
         }
-        # Prompt lookup: this step's sampled tokens (from the runner), the drafts found, the
-        # ones chosen, and the source of what was handed out last step.
+        # Prompt lookup: this step's sampled tokens (from the runner), the lookup drafts chosen,
+        # and which requests were handed lookup drafts last step.
         self._lookup = None
         self.lookup_acceptance: LookupAcceptance | None = None
         if self.settings.drafts != "layer_skip":
@@ -180,7 +180,6 @@ class SelfSpecDeviceProposer(DraftModelProposer):
             )
             self.lookup_acceptance = LookupAcceptance()
         self._sampled: torch.Tensor | None = None
-        self._found: dict[str, list[int]] = {}
         self._lookups: dict[str, list[int]] = {}
         self._handed_lookup: set[str] = set()
         if runner is not None:
@@ -276,8 +275,10 @@ class SelfSpecDeviceProposer(DraftModelProposer):
         self._last_req_ids = req_ids
         self.counters["steps"] += 1
         self._step_confidences = []
-        self._found = self._find_lookups(req_ids, discarded)
-        return self._plan([r for r, d in zip(req_ids, discarded, strict=True) if not d], k_limit)
+        found = self._find_lookups(req_ids, discarded)
+        return self._plan(
+            [r for r, d in zip(req_ids, discarded, strict=True) if not d], k_limit, found
+        )
 
     def _see_sampled(self, sampled_token_ids: torch.Tensor) -> None:
         self._sampled = sampled_token_ids
@@ -352,14 +353,15 @@ class SelfSpecDeviceProposer(DraftModelProposer):
             self.lookup_acceptance.retain(req_ids)
         return total
 
-    def _plan(self, req_ids: list[str], k_limit: int) -> int:
-        """Budgets of this step's decoding requests (kept for :meth:`trim`; the others get none);
+    def _plan(self, req_ids: list[str], k_limit: int, found: dict[str, list[int]]) -> int:
+        """Budgets of this step's decoding requests (kept for :meth:`trim`; the others get none),
+        and which of them draft by the lookups ``found`` this step;
         returns the pass length."""
         overrides = running_request_overrides(
             self.runner, req_ids, self.k_max, self._bad_override_warned
         )
         budgets = self.controller.plan(req_ids, overrides=overrides)
-        self._lookups = self._choose_lookups(req_ids, budgets, k_limit)
+        self._lookups = self._choose_lookups(req_ids, budgets, k_limit, found)
         if self.settings.drafts == "lookup":  # prompt lookup only: no layer-skip pass ever
             budgets = [0] * len(budgets)
         elif self._lookups:
@@ -370,14 +372,13 @@ class SelfSpecDeviceProposer(DraftModelProposer):
         return max(0, min(max(budgets, default=0), k_limit, self.k_max))
 
     def _choose_lookups(
-        self, req_ids: list[str], budgets: list[int], k_limit: int
+        self, req_ids: list[str], budgets: list[int], k_limit: int, found: dict[str, list[int]]
     ) -> dict[str, list[int]]:
         """The requests that draft by prompt lookup this step, with their drafts: every request
         with a lookup draft for ``drafts`` lookup; for hybrid, those whose lookup draft pays at
         least as well as their layer-skip budget, cut to the length that pays best
         (:func:`vllm_selfspec.lookup.lookup_length`). None on the controller's plain-step
         measurements."""
-        found, self._found = self._found, {}
         if not found or self.controller.explored_last_plan:
             return {}
         assert self.lookup_acceptance is not None

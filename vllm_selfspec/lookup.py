@@ -6,7 +6,7 @@ layer-skip draft costs draft forwards too. With ``"drafts": "hybrid"`` the devic
 per request and step, whether the lookup draft it found pays better than the layer-skip budget
 the draft-length controller planned, in expected tokens per unit of time (plain decoding steps):
 
-    lookup:      E(a_lookup, n) / v(n)
+    lookup:      max over j <= n of E(a_lookup, j) / v(j)   (the first j of the n found)
     layer skip:  E(a_skip, k) / (v(k) + k * r)      (1.0, plain decoding, when k == 0)
 
 ``E(a, k)`` is :func:`vllm_selfspec.controller.expected_tokens`, ``v(k)`` a step verifying ``k``
