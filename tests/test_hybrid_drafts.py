@@ -124,6 +124,10 @@ def test_greedy_identical_and_lookup_drafts_land(dev, reference, name):
     if kind == "lookup":
         assert after["draft_passes"] == 0 and lookup_tokens == _delta(before, after, "draft_tokens")
         assert _delta(before, after, "lookup_only_steps") > 0
+        # every step ran without a pass, and none of them had vLLM prepare the pass's inputs:
+        # the rejected counts come from the sampled tokens, and match vLLM's own
+        assert _delta(before, after, "prepare_skipped") == _delta(before, after, "steps")
+        assert _delta(before, after, "lookup_accepted") == delta["num_accepted_tokens"]
     print(f"{kind} / {name}: {lookup_tokens} lookup and "
           f"{_delta(before, after, 'draft_tokens') - lookup_tokens} layer-skip draft tokens, "
           f"acceptance {delta['num_accepted_tokens'] / delta['num_draft_tokens']:.2f}")

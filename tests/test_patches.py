@@ -170,3 +170,71 @@ def test_steps_without_drafts_skip_the_rejection_sampler():
     runner._sample("logits", None)
     assert seen == [None, drafts, None]
     assert plain_steps == [1]
+
+
+def test_rejected_counts_from_sampled_tokens():
+    """The rejected drafts per row, counted from the sampled tokens as vLLM's
+    ``prepare_inputs_padded`` counts them: ``drafted + 1 - valid`` where a row had drafts."""
+    import torch
+
+    sampled = torch.tensor(
+        [
+            [5, 6, -1, -1],  # 3 drafted, 2 valid (1 accepted + 1 sampled): 2 rejected
+            [7, 8, 9, 10],  # 3 drafted, all accepted: 0 rejected
+            [11, -1, -1, -1],  # 3 drafted, none accepted: 3 rejected
+            [12, -1, -1, -1],  # no drafts (a prefill or drafting off): 0
+        ]
+    )
+    rejected = patches.rejected_from_sampled(sampled, [3, 3, 3, 0])
+    assert rejected.tolist() == [2, 0, 3, 0]
+    as_lists = [[5, 6], [7, 8, 9, 10], [11], [12]]
+    assert patches.rejected_from_sampled(as_lists, [3, 3, 3, 0]).tolist() == [2, 0, 3, 0]
+
+
+def test_preparation_skipped_when_the_plan_runs_no_pass():
+    """The propose wrapper on a stand-in runner: the drafter plans first (with the rejected
+    counts of a step that verified drafts, ``None`` for one that verified none); its drafts are
+    returned without vLLM's method when it plans no pass, vLLM's method runs when it plans one,
+    and a runner with a host-copy event (CUDA) always delegates."""
+    from types import SimpleNamespace
+
+    import torch
+
+    delegated: list[int] = []
+
+    class Runner:
+        valid_sampled_token_count_event = None
+
+        def propose_draft_token_ids(self, scheduler_output, sampled, *rest):
+            delegated.append(1)
+            return "vllm drafts"
+
+    plans: list[object] = []
+    planned_pass = [False]
+
+    def plan(k_limit, batch_size, num_rejected):
+        plans.append((k_limit, batch_size, None if num_rejected is None else num_rejected.tolist()))
+        return None if planned_pass[0] else "no pass"
+
+    seen: list[object] = []
+    runner = Runner()
+    patches.patch_runner_propose_without_drafts(runner, plan, seen.append)
+    sched = SimpleNamespace(num_spec_tokens_to_schedule=4)
+    cad = SimpleNamespace(batch_size=lambda: 2)
+    sampled = torch.tensor([[1, 2, -1], [3, -1, -1]])
+    verified = SimpleNamespace(num_draft_tokens=[2, 2])
+
+    def call(metadata):
+        return runner.propose_draft_token_ids(sched, sampled, None, None, None, None, metadata, cad,
+                                              None)
+
+    assert call(verified) == "no pass" and not delegated
+    assert plans[-1] == (4, 2, [1, 2])
+    assert call(None) == "no pass" and plans[-1] == (4, 2, None)
+    assert call(SimpleNamespace(num_draft_tokens=[0, 0])) == "no pass" and plans[-1][2] is None
+    planned_pass[0] = True
+    assert call(verified) == "vllm drafts" and delegated == [1]
+    assert len(seen) == 4
+    runner.valid_sampled_token_count_event = object()
+    calls = len(plans)
+    assert call(verified) == "vllm drafts" and len(plans) == calls

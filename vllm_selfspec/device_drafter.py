@@ -152,7 +152,7 @@ class SelfSpecDeviceProposer(DraftModelProposer):
             "steps": 0,
             "draft_passes": 0,
             "passes_skipped": 0,  # every budget 0: no draft forward at all
-            "prepare_skipped": 0,  # of those, steps that skipped vLLM's input preparation too
+            "prepare_skipped": 0,  # steps without a pass that skipped vLLM's input preparation too
             "plain_sampled": 0,  # steps without drafts, sampled without the rejection sampler
             "draft_forwards": 0,
             "draft_tokens": 0,  # handed to verification, after the trim
@@ -188,7 +188,7 @@ class SelfSpecDeviceProposer(DraftModelProposer):
             patch_runner_take_draft_token_ids(runner, self.trim)
             patch_runner_propose_without_drafts(
                 runner,
-                self.plan_step_without_drafts,
+                self.plan_before_preparation,
                 self._see_sampled if self._lookup is not None else None,
             )
             patch_runner_sample_without_drafts(runner, self._count_plain_sampled)
@@ -225,7 +225,7 @@ class SelfSpecDeviceProposer(DraftModelProposer):
     ) -> torch.Tensor:
         k_limit = int(kwargs.pop("num_speculative_tokens", self.k_max))
         k_step, self._planned = self._planned, None
-        if k_step is None:  # not planned by plan_step_without_drafts
+        if k_step is None:  # not planned by plan_before_preparation
             k_step = self._begin_step(num_rejected_tokens_gpu, k_limit)
         cad = kwargs["common_attn_metadata"]
         if k_step == 0:
@@ -247,12 +247,15 @@ class SelfSpecDeviceProposer(DraftModelProposer):
         self._end_step()
         return drafts
 
-    def plan_step_without_drafts(self, k_limit: int, batch_size: int) -> torch.Tensor | None:
-        """A step that verified no drafts, before vLLM prepares the pass's inputs (see
-        :func:`vllm_selfspec.patches.patch_runner_propose_without_drafts`): the step's
-        bookkeeping and plan; the empty drafts when no pass runs, else ``None`` (the plan is kept
-        for :meth:`propose`, which vLLM calls next)."""
-        k_step = self._begin_step(None, k_limit)
+    def plan_before_preparation(
+        self, k_limit: int, batch_size: int, num_rejected: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """The step's bookkeeping and plan, before vLLM prepares the pass's inputs (see
+        :func:`vllm_selfspec.patches.patch_runner_propose_without_drafts`; ``num_rejected``: the
+        drafts each request had rejected this step, ``None`` when none were verified): the empty
+        drafts when no pass runs (lookup drafts are handed out by :meth:`trim`), else ``None``
+        (the plan is kept for :meth:`propose`, which vLLM calls next)."""
+        k_step = self._begin_step(num_rejected, k_limit)
         if k_step > 0:
             self._planned = k_step
             return None

@@ -60,8 +60,8 @@ behaviour of an engine that did not ask for ``"method": "selfspec"``.
    something else is refused at start. With it, the drafter wraps its runner's
    ``take_draft_token_ids`` (:func:`patch_runner_take_draft_token_ids`): per-request draft
    lengths and the confidence exit cut drafts where vLLM moves them to the host, and its
-   ``propose_draft_token_ids`` (:func:`patch_runner_propose_without_drafts`): a step that
-   verified no drafts and plans none skips vLLM's draft-input preparation.
+   ``propose_draft_token_ids`` (:func:`patch_runner_propose_without_drafts`): a step whose
+   plan runs no draft pass skips vLLM's draft-input preparation.
 9. ``GPUModelRunner._sample`` (per runner instance, selfspec runners only, both drafters): a step
    in which no request has drafts is sampled by vLLM's plain sampler, as a plain engine samples
    it, instead of going through the rejection sampler (see
@@ -78,7 +78,10 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger("vllm.selfspec.patches")
 
@@ -568,6 +571,22 @@ def patch_runner_take_draft_token_ids(runner: Any, trim: Any) -> None:
     runner.take_draft_token_ids = take_draft_token_ids
 
 
+def rejected_from_sampled(sampled_token_ids: Any, num_draft_tokens: Any) -> torch.Tensor:
+    """Per row, the drafts rejected this step, as vLLM's ``prepare_inputs_padded`` counts them:
+    ``drafted + 1 - valid`` where a row had drafts (valid: sampled tokens that are not the
+    ``-1`` padding of rejected positions), else 0. ``sampled_token_ids``: the padded tensor (a
+    host tensor on CPU) or vLLM's per-row lists."""
+    import torch
+
+    drafted = torch.as_tensor(list(num_draft_tokens), dtype=torch.int32)
+    rows = drafted.shape[0]
+    if isinstance(sampled_token_ids, torch.Tensor):
+        valid = (sampled_token_ids[:rows] >= 0).sum(dim=1, dtype=torch.int32)
+    else:
+        valid = torch.tensor([len(r) for r in sampled_token_ids[:rows]], dtype=torch.int32)
+    return torch.where(drafted > 0, drafted + 1 - valid, torch.zeros_like(drafted))
+
+
 def patch_runner_propose_without_drafts(
     runner: Any, plan_step: Any, see_sampled: Callable[[Any], None] | None = None
 ) -> None:
@@ -575,16 +594,20 @@ def patch_runner_propose_without_drafts(
 
     Before it calls the drafter, vLLM's runner prepares the draft pass's inputs on every step:
     the next tokens and rejected counts (``prepare_next_token_ids_padded``,
-    ``prepare_inputs_padded``) and the target slices. On a step that verified no drafts there is
-    nothing to read from them, and when the drafter then plans no pass they are thrown away:
-    that preparation was a third of the measured cost of a selfspec engine whose every request
-    has drafting switched off (the overhead floor). The wrapper asks
-    ``plan_step(num_spec_tokens_to_schedule, batch_size)`` first on such steps; it returns the
-    (empty) drafts when no pass runs, else ``None`` and the wrapper delegates. Steps that
-    verified drafts, and runners that copy sampled-token counts to the host for the next step
-    (``valid_sampled_token_count_event``, CUDA), always delegate. ``see_sampled`` gets every
-    step's sampled tokens first (vLLM hands them to the runner's method, not to the drafter's
-    ``propose``): the prompt-lookup source matches n-grams that end in them.
+    ``prepare_inputs_padded``) and the target slices. When the drafter then plans no pass
+    (every request capped at 0 or switched off, or, with prompt lookup, every drafting request
+    drafting by lookup) they are thrown away: that preparation was a third of the measured cost
+    of a selfspec engine whose every request has drafting switched off (the overhead floor).
+    The wrapper asks ``plan_step(num_spec_tokens_to_schedule, batch_size, num_rejected)``
+    first; it returns the (empty) drafts when no pass runs, else ``None`` and the wrapper
+    delegates. ``num_rejected``, the drafts each request had rejected this step (``None`` on a
+    step that verified none), is counted here from the sampled tokens as vLLM's preparation
+    counts it (``drafted + 1 - valid sampled`` for a row with drafts, else 0): on the CPU
+    platform they are host memory. Runners that copy sampled-token counts to the host for the
+    next step (``valid_sampled_token_count_event``, CUDA) always delegate: there the count would
+    be a device sync. ``see_sampled`` gets every step's sampled tokens first (vLLM hands them
+    to the runner's method, not to the drafter's ``propose``): the prompt-lookup source matches
+    n-grams that end in them.
     """
     original = runner.propose_draft_token_ids
     if getattr(original, _SENTINEL, False):
@@ -604,12 +627,12 @@ def patch_runner_propose_without_drafts(
     ) -> Any:
         if see_sampled is not None:
             see_sampled(sampled_token_ids)
-        verified_none = spec_decode_metadata is None or not any(
-            spec_decode_metadata.num_draft_tokens
-        )
-        if verified_none and getattr(runner, "valid_sampled_token_count_event", None) is None:
+        if getattr(runner, "valid_sampled_token_count_event", None) is None:
+            num_draft = getattr(spec_decode_metadata, "num_draft_tokens", ())
             drafts = plan_step(
-                scheduler_output.num_spec_tokens_to_schedule, common_attn_metadata.batch_size()
+                scheduler_output.num_spec_tokens_to_schedule,
+                common_attn_metadata.batch_size(),
+                rejected_from_sampled(sampled_token_ids, num_draft) if any(num_draft) else None,
             )
             if drafts is not None:
                 # what vLLM's method resets before proposing: no draft probabilities this step
