@@ -136,6 +136,7 @@ class SelfSpecDeviceProposer(DraftModelProposer):
         self.runner = runner
         self._pending_rejected: torch.Tensor | None = None
         self._planned: int | None = None  # a pass length planned before vLLM's preparation
+        self._planned_at = 0.0  # when that plan was made
         self._past_end = torch.zeros(self.max_batch_size, dtype=torch.bool, device=device)
         self._past_end_rows = torch.zeros((), dtype=torch.int64, device=device)
         # Draft lengths: caps only (adaptive off), or the host drafter's adaptive controller.
@@ -225,7 +226,8 @@ class SelfSpecDeviceProposer(DraftModelProposer):
     ) -> torch.Tensor:
         k_limit = int(kwargs.pop("num_speculative_tokens", self.k_max))
         k_step, self._planned = self._planned, None
-        if k_step is None:  # not planned by plan_before_preparation
+        planned = k_step is not None
+        if not planned:  # not planned by plan_before_preparation
             k_step = self._begin_step(num_rejected_tokens_gpu, k_limit)
         cad = kwargs["common_attn_metadata"]
         if k_step == 0:
@@ -236,7 +238,9 @@ class SelfSpecDeviceProposer(DraftModelProposer):
             self._pending_rejected = num_rejected_tokens_gpu
             self.counters["draft_passes"] += 1
             self.counters["draft_forwards"] += k_step
-            pass_start = time.perf_counter()
+            # A pass planned before vLLM's preparation of its inputs is charged that preparation
+            # too: a step without a pass skips it (patches.patch_runner_propose_without_drafts).
+            pass_start = self._planned_at if planned else time.perf_counter()
             drafts = super().propose(
                 *args, num_speculative_tokens=k_step, num_rejected_tokens_gpu=None, **kwargs
             )
@@ -258,6 +262,7 @@ class SelfSpecDeviceProposer(DraftModelProposer):
         k_step = self._begin_step(num_rejected, k_limit)
         if k_step > 0:
             self._planned = k_step
+            self._planned_at = time.perf_counter()
             return None
         self.counters["prepare_skipped"] += 1
         drafts = self._no_pass(batch_size)
