@@ -809,6 +809,8 @@ def configure(args: argparse.Namespace) -> Suite:
         swapped = [g for g in suite.groups if g.model != args.model]
         for g in swapped:
             g.model = args.model
+            if g.label:
+                g.label = g.label.replace("SmolLM2", args.model)
         if swapped:
             suite.name = f"{suite.name}-{args.model}"
     if args.methods:

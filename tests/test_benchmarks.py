@@ -202,6 +202,9 @@ def test_second_model_suite_compile_and_model_choice(capsys):
                                           "qwen2.5-coder-0.5b"]))
     assert suite.name == "cpu-smollm2-qwen2.5-coder-0.5b" and not suite.compile
     assert {g.model for g in suite.groups} == {"qwen2.5-coder-0.5b"}
+    assert not any("SmolLM2" in (g.label or "") for g in suite.groups)
+    hybrid = run.configure(run.parse_args(["--suite", "hybrid", "--model", "qwen2.5-coder-0.5b"]))
+    assert {g.label for g in hybrid.groups} == {"qwen2.5-coder-0.5b, its shipped profile"}
     with pytest.raises(SystemExit, match="skip sets are SmolLM2's"):
         run.configure(run.parse_args(["--suite", "no-harm", "--model", "qwen2.5-coder-0.5b"]))
     with pytest.raises(SystemExit):
