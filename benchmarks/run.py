@@ -643,8 +643,9 @@ def write_result(result: dict[str, Any], base: Path, plots: bool = True,
                  log: Callable[[str], None] = print) -> None:
     """``<base>.json`` and ``<base>.md`` of a suite's result, then its plots (``result["plots"]``
     names them; a failed plot is logged, not raised: plots are a convenience)."""
-    base.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str) + "\n")
-    base.with_suffix(".md").write_text(render_markdown(result))
+    # not with_suffix: a suite named after a model ("hybrid-qwen2.5-coder-0.5b") has a dot
+    base.with_name(base.name + ".json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+    base.with_name(base.name + ".md").write_text(render_markdown(result))
     if plots:
         try:
             result["plots"] = [p.name for p in analysis.write_plots(result["summary"], base)]

@@ -600,3 +600,10 @@ def test_rerender_recomputes_the_summary(tmp_path):
     assert (tmp_path / "smoke_ratio.png").stat().st_size > 0
     with pytest.raises(SystemExit):  # a suite or a stored run, not both
         run.parse_args(["--suite", "smoke", "--rerender", str(path)])
+    # a suite named after a model keeps the dots of its name in every file
+    dotted = tmp_path / "smoke-qwen2.5-coder-0.5b.json"
+    dotted.write_text(json.dumps(stored))
+    assert run.main(["--rerender", str(dotted)]) == 0
+    assert "| selfspec |" in (tmp_path / "smoke-qwen2.5-coder-0.5b.md").read_text()
+    assert (tmp_path / "smoke-qwen2.5-coder-0.5b_ratio.png").stat().st_size > 0
+    assert not list(tmp_path.glob("smoke-qwen2.5-coder-0.md"))
