@@ -163,6 +163,9 @@ def test_every_request_capped_to_zero_runs_no_pass(dev, reference):
     skipped = after["passes_skipped"] - before["passes_skipped"]
     prepared_for_nothing = skipped - (after["prepare_skipped"] - before["prepare_skipped"])
     assert prepared_for_nothing == 0, (before, after)
+    # every decoding request-step it was planned counts as drafting off
+    considered = after["rows_considered"] - before["rows_considered"]
+    assert after["rows_off"] - before["rows_off"] == considered > 0, (before, after)
     # and every one of its steps (prefill included: no drafts) skipped the rejection sampler
     steps = after["steps"] - before["steps"]
     assert after["plain_sampled"] - before["plain_sampled"] == steps > 0, (before, after)

@@ -128,6 +128,9 @@ def test_greedy_identical_and_lookup_drafts_land(dev, reference, name):
         # the rejected counts come from the sampled tokens, and match vLLM's own
         assert _delta(before, after, "prepare_skipped") == _delta(before, after, "steps")
         assert _delta(before, after, "lookup_accepted") == delta["num_accepted_tokens"]
+        # a request-step handed a lookup draft is not "drafting off"
+        off, handed = _delta(before, after, "rows_off"), _delta(before, after, "lookup_rows")
+        assert off + handed == _delta(before, after, "rows_considered"), (before, after)
     print(f"{kind} / {name}: {lookup_tokens} lookup and "
           f"{_delta(before, after, 'draft_tokens') - lookup_tokens} layer-skip draft tokens, "
           f"acceptance {delta['num_accepted_tokens'] / delta['num_draft_tokens']:.2f}")

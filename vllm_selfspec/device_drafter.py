@@ -165,6 +165,10 @@ class SelfSpecDeviceProposer(DraftModelProposer):
             "lookup_tokens": 0,
             "lookup_accepted": 0,
             "lookup_only_steps": 0,  # steps whose every draft was a lookup: no pass
+            # decoding request-steps planned, and those planned no draft from either source (the
+            # benchmarks' "drafting off" share, as the host drafter counts it)
+            "rows_considered": 0,
+            "rows_off": 0,
         }
         # Prompt lookup: this step's sampled tokens (from the runner), the lookup drafts chosen,
         # and which requests were handed lookup drafts last step.
@@ -377,6 +381,10 @@ class SelfSpecDeviceProposer(DraftModelProposer):
                 0 if r in self._lookups else b for r, b in zip(req_ids, budgets, strict=True)
             ]
         self._budgets = dict(zip(req_ids, budgets, strict=True))
+        self.counters["rows_considered"] += len(req_ids)
+        self.counters["rows_off"] += sum(
+            1 for r, b in zip(req_ids, budgets, strict=True) if b <= 0 and r not in self._lookups
+        )
         return max(0, min(max(budgets, default=0), k_limit, self.k_max))
 
     def _choose_lookups(
