@@ -632,3 +632,40 @@ def test_running_request_overrides_never_fail_a_request():
         log.removeHandler(handler)
     assert warned == {"bad"}
     assert sum("ignoring extra_args" in r.getMessage() for r in records) == 1
+
+
+def test_drafts_worth_verifying() -> None:
+    """A device pass's drafts (forwards already spent) are handed over up to the first whose
+    chained top-1 probability is below the marginal verification cost (the first always: its
+    verification is the plan's only feedback); all of them while
+    verification is unmeasured, with adaptivity off, or during a probe. A request's own
+    draft_confidence_threshold also cuts after its first draft below it (Draft & Verify)."""
+    ctl = DraftLengthController(ControllerConfig(k_max=4))
+    conf = [0.9, 0.8, 0.5, 0.9]  # chained: 0.9, 0.72, 0.36, 0.324
+    assert ctl.drafts_worth_verifying("r", conf, 4, 0.05) == 4
+    assert ctl.drafts_worth_verifying("r", conf, 4, 0.4) == 2
+    assert ctl.drafts_worth_verifying("r", conf, 4, 0.95) == 1  # the first is always verified
+    assert ctl.drafts_worth_verifying("r", [0.01, 0.9], 2, 0.05) == 1
+    assert ctl.drafts_worth_verifying("r", conf, 2, 0.1) == 2  # never past the budget
+    assert ctl.drafts_worth_verifying("r", conf, 4, 0.0) == 4
+    assert ctl.drafts_worth_verifying("r", [0.9, math.nan, 0.9], 3, 0.01) == 1
+    # the engine-wide Draft & Verify threshold (0.6) does not cut drafts already made ...
+    assert ctl.drafts_worth_verifying("r", [0.5, 0.5], 2, 0.01) == 2
+    # ... a request's own threshold does, after the first draft below it
+    ctl.plan(["own"], overrides={"own": {"draft_confidence_threshold": 0.7}})
+    assert ctl.drafts_worth_verifying("own", conf, 4, 0.01) == 3
+    fixed = DraftLengthController(ControllerConfig(k_max=4, adaptive=False))
+    assert fixed.drafts_worth_verifying("r", conf, 4, 0.95) == 4
+    probing = DraftLengthController(ControllerConfig(k_max=4))
+    probing._state("p").probing = True
+    assert probing.drafts_worth_verifying("p", conf, 4, 0.95) == 4
+
+
+def test_marginal_verify_cost() -> None:
+    """(v(k) - 1) / k plain steps per draft token, from the measured costs; 0 while
+    verification is unmeasured (free) and for k == 0."""
+    ctl = DraftLengthController(ControllerConfig(k_max=4))
+    assert ctl.marginal_verify_cost(1, 4) == 0.0
+    ctl.set_step_costs(costs(draft=0.5, slope=0.05))
+    assert ctl.marginal_verify_cost(1, 4) == pytest.approx(0.05, rel=0.05)
+    assert ctl.marginal_verify_cost(1, 0) == 0.0

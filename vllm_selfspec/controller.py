@@ -20,8 +20,8 @@ Two mechanisms, both per request:
 2. **Cost-aware budget** (beyond the paper). A per-token acceptance estimate ``a`` (discounted
    counts of accepted / tried draft positions, with an optimistic prior) gives the expected tokens
    of ``k`` drafts, ``E(k) = (1 - a**(k+1)) / (1 - a)`` (``k + 1`` when ``a == 1``). The costs are
-   measured, not assumed (:mod:`vllm_selfspec.step_costs`, medians of recent samples): a plain
-   decoding step of the batch,
+   measured, not assumed (:mod:`vllm_selfspec.step_costs`, lower quartiles of recent samples):
+   a plain decoding step of the batch,
    a verification step as a function of the draft tokens it verifies (verification is *not* free:
    on a CPU it grows almost linearly with the tokens), and a draft forward as a function of its
    rows. A step of ``B`` requests in which request ``i`` drafts ``k_i`` tokens yields
@@ -51,8 +51,8 @@ Two mechanisms, both per request:
    within a few steps (the drafter hands the controller a new cost table as soon as it gains an
    entry). The default of 32 (one step in 33 plain, 3%) is chosen with the recorder's age bound
    on plain samples (``StepCostRecorder.max_plain_age``, 256 measured steps): the baseline is then
-   the median of the ~8 plain steps of the last 256 steps of the bucket, never older, and stays
-   measured when a few of those steps go unmeasured. With 64 and the recorder's 15-sample
+   the lower quartile of the ~8 plain steps of the last 256 steps of the bucket, never older, and
+   stays measured when a few of those steps go unmeasured. With 64 and the recorder's 15-sample
    window alone the baseline was ~1000 steps old; 64 under the same age bound would leave ~4
    samples, one lost measurement from the 3 a key needs. A plain step taken while drafting
    gives up that step's drafting gain: at a 1.5x speedup, 3% plain steps cost ~1% of the
@@ -727,6 +727,46 @@ class DraftLengthController:
         if not st.adaptive or st.probing:
             return False
         return not top1_prob >= self.exit_threshold(req_id)
+
+    def drafts_worth_verifying(self, req_id: str, confidences: list[float], budget: int,
+                               marginal_verify_cost: float) -> int:
+        """How many of ``budget`` drafts made already (a device pass: their draft forwards are
+        spent) to hand to verification: the drafts before the first whose chained top-1
+        probability (the chance that it and every draft before it land) is below
+        ``marginal_verify_cost``, the plain steps one more draft token adds to its request's
+        verification; a request that set its own ``draft_confidence_threshold`` also stops
+        after its first draft below it (:meth:`should_stop`).
+
+        Draft & Verify's engine-wide threshold decides when to stop *drafting*, which a pass
+        that has run cannot: applied to a device pass it cut the drafts to about half of the
+        forwards the plan had paid for, and the plan never learnt of it (acceptance is measured
+        on the drafts verified, so it read 1.0 and kept planning passes that did not pay).
+
+        The first draft is always handed over: its verification is the only feedback the plan
+        gets (a tiny model's drafts, all of top-1 probability under 0.05, were all cut, the
+        controller saw no verification and planned a pass at every step). All ``budget`` when
+        adaptivity is off (globally or for the request) or during a probe; NaN counts as 0."""
+        if not self.config.adaptive:
+            return budget
+        st = self._state(req_id)
+        if not st.adaptive or st.probing:
+            return budget
+        chained = 1.0
+        for j, conf in enumerate(confidences[:budget]):
+            chained *= conf if math.isfinite(conf) else 0.0
+            if j > 0 and marginal_verify_cost > 0.0 and chained < marginal_verify_cost:
+                return j
+            if st.threshold_overridden and self.should_stop(req_id, conf):
+                return j + 1
+        return budget
+
+    def marginal_verify_cost(self, batch_size: int, k: int) -> float:
+        """One more draft token of one request in a step whose requests verify ``k`` drafts
+        each, in plain steps (``(v(k) - 1) / k``; 0 for ``k == 0`` and while verification is
+        unmeasured)."""
+        if k <= 0:
+            return 0.0
+        return max(0.0, (self.verify_cost_ratio(batch_size, k) - 1.0) / k)
 
     # ---- logging -----------------------------------------------------------------------------
     def stats(self) -> dict[str, float]:

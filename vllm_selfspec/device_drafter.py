@@ -28,11 +28,12 @@ Differences from vLLM's ``draft_model`` (each a method below, wrapping and deleg
 * Draft lengths are planned per request and step before the pass (the draft-length controller:
   per-request caps, and with ``adaptive`` the acceptance- and cost-driven plan of the host
   drafter). The pass runs the longest planned length for every row (none at all when every
-  budget is 0) and each request's drafts are trimmed to its budget, and with ``adaptive`` at the
-  Draft & Verify confidence exit, when the engine core takes them: one host read of the pass's
-  top-1 probabilities per step, where vLLM reads the drafts anyway. The exit saves verification
-  work, not draft forwards (the padded pass runs on; stopping it early would need a host sync per
-  draft token).
+  budget is 0) and each request's drafts are trimmed to its budget, and with ``adaptive`` before
+  the first draft whose chained top-1 probability does not pay for its verification, when the
+  engine core takes them: one host read of the pass's top-1 probabilities per step, where vLLM
+  reads the drafts anyway. Draft & Verify's confidence exit stops *drafting*; here the padded
+  pass has run (stopping it early would need a host sync per draft token) and its forwards are
+  spent, so only the verification of a draft can still be saved.
 
 * With ``"drafts": "hybrid"`` (or ``"lookup"``) a request can draft by prompt lookup instead:
   its newest n-gram matched against its own earlier tokens (vLLM's ``ngram`` kernel,
@@ -509,10 +510,18 @@ class SelfSpecDeviceProposer(DraftModelProposer):
     # --- per-request caps -------------------------------------------------------------------
 
     def trim(self, req_ids: list[str], drafts: list[list[int]]) -> list[list[int]]:
-        """Each request's drafts cut to its planned budget and, with ``adaptive``, after the
-        first draft below its confidence-exit threshold (Draft & Verify)."""
+        """Each request's drafts cut to its planned budget and, with ``adaptive``, before the
+        first draft not worth its verification
+        (:meth:`~vllm_selfspec.controller.DraftLengthController.drafts_worth_verifying`)."""
         confidences = (
             torch.stack(self._step_confidences, dim=1).tolist() if self._step_confidences else None
+        )
+        marginal = (
+            self.controller.marginal_verify_cost(
+                len(req_ids), max(self._budgets.values(), default=0)
+            )
+            if confidences is not None
+            else 0.0
         )
         out = []
         for row, (req_id, tokens) in enumerate(zip(req_ids, drafts, strict=True)):
@@ -528,10 +537,7 @@ class SelfSpecDeviceProposer(DraftModelProposer):
             keep = budget
             if confidences is not None:
                 conf = confidences[row]
-                for j in range(budget):
-                    if self.controller.should_stop(req_id, conf[j]):
-                        keep = j + 1
-                        break
+                keep = self.controller.drafts_worth_verifying(req_id, conf, budget, marginal)
                 if keep < budget:
                     self.counters["confidence_exits"] += 1
                 self._kept_confidences[req_id] = conf[:keep]

@@ -11,8 +11,16 @@ are measured here rather than assumed:
   quarters); ``x = 0`` is a plain decoding step, the baseline every plan is compared with.
 * **draft forward**: one layer-skip forward over ``n`` rows, kept per power-of-two bucket of ``n``.
 
-Each key keeps its last few samples and answers with their median: a single outlier (a step that
-also ran a prefill, a scheduler hiccup, another process) moves nothing. A plain-step key also
+Each key keeps its last few samples and answers with their lower quartile
+(:data:`COST_QUANTILE`): a single outlier (a step that also ran a prefill, a scheduler hiccup,
+another process) moves nothing, and neither does a slow spell. A CPU engine's step times come in
+spells (SmolLM2 at batch 1: plain steps of 22-23 ms for a few hundred steps, then 29-31 ms, every
+kind of step alike), and the keys are sampled at different times: plain steps only on the
+controller's occasional plain steps, draft forwards only on drafting steps. Their medians mixed
+the spells differently, and the draft/plain ratio the controller plans with swung between 0.69
+and 1.19 within one run while both costs were fixed (an engine drafting layer skips that cost
+about 0.9 of a plain step, drafting on the low readings); the lower quartiles read the fast
+spell of each key (0.84-0.85 in the same samples). A plain-step key also
 forgets samples older than ``max_plain_age`` measured steps of its bucket: it is the baseline of
 every plan, and an engine that drafts measures it only on the controller's occasional plain
 steps, so a window of samples alone could hold a baseline many hundreds of steps old (15 samples
@@ -35,6 +43,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 _VERIFY, _DRAFT = 0.0, 1.0
+COST_QUANTILE = 0.25  # of a key's samples, the cost it answers with (see the module docstring)
 X_QUANTUM = 0.25  # draft tokens per request are kept in quarters
 
 
@@ -57,7 +66,8 @@ def _valid(seconds: float) -> bool:
 
 @dataclass(frozen=True)
 class StepCosts:
-    """A table of median step costs (seconds); see the module docstring.
+    """A table of step costs in seconds (lower quartiles of recent samples); see the module
+    docstring.
 
     ``verify[(b, x)]``: verification step of a batch in bucket ``b`` with ``x`` draft tokens per
     request; ``draft[b]``: one draft forward over a row count in bucket ``b``.
@@ -215,11 +225,12 @@ class StepCosts:
 
 
 class StepCostRecorder:
-    """Collects step-cost samples on one worker; :meth:`snapshot` gives their medians.
+    """Collects step-cost samples on one worker; :meth:`snapshot` gives their ``quantile``
+    (default :data:`COST_QUANTILE`).
 
     Every key keeps its last ``window`` samples. A plain-step key (``x = 0``) of a bucket also
     drops samples older than ``max_plain_age`` of that bucket's measured verification steps
-    (:meth:`observe_verify` calls, plain or not): its median is never older than that. With the
+    (:meth:`observe_verify` calls, plain or not): its estimate is never older than that. With the
     controller's default of one plain step in 33 at a bucket that always drafts, the age bound
     keeps the last ~8 of them (more than the 3 a key needs, so a few unmeasured plain steps,
     e.g. ones whose batch changed, do not make the key vanish); a key that does fall below
@@ -228,13 +239,16 @@ class StepCostRecorder:
     only steps whose batch did not change) do not advance the age."""
 
     def __init__(self, window: int = 15, min_samples: int = 3,
-                 max_plain_age: int = 256) -> None:
+                 max_plain_age: int = 256, quantile: float = COST_QUANTILE) -> None:
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
         if not 1 <= min_samples <= window:
             raise ValueError(f"min_samples must be in [1, window], got {min_samples}")
         if max_plain_age < 1:
             raise ValueError(f"max_plain_age must be >= 1, got {max_plain_age}")
+        if not 0.0 <= quantile <= 1.0:
+            raise ValueError(f"quantile must be in [0, 1], got {quantile}")
+        self.quantile = quantile
         self.window = window
         self.min_samples = min_samples
         self.max_plain_age = max_plain_age
@@ -281,7 +295,7 @@ class StepCostRecorder:
 
     def plain_ages(self, batch_size: int) -> list[int]:
         """Ages, in measured steps of ``batch_size``'s bucket, of the plain-step samples its
-        median is taken from (oldest first; 0: the latest measured step)."""
+        estimate is taken from (oldest first; 0: the latest measured step)."""
         b = bucket(batch_size)
         now = self._steps.get(b, 0)
         return [now - s for s in self._plain_steps.get(b, ())]
@@ -293,14 +307,15 @@ class StepCostRecorder:
         self._append(self._draft.setdefault(bucket(rows), deque(maxlen=self.window)), seconds)
 
     def snapshot(self, min_samples: int | None = None) -> StepCosts:
-        """Medians of the keys with at least ``min_samples`` (default: the recorder's) samples
-        (a key's first samples can all be slow: a new input shape's first run builds kernels and
-        buffers)."""
+        """The recorder's ``quantile`` of each key with at least ``min_samples`` (default: the
+        recorder's) samples (a key's first samples can all be slow: a new input shape's first
+        run builds kernels and buffers)."""
         if min_samples is None:
             min_samples = self.min_samples
+        q = self.quantile
         return StepCosts(
-            verify={k: float(np.median(v)) for k, v in self._verify.items()
+            verify={k: float(np.quantile(v, q)) for k, v in self._verify.items()
                     if len(v) >= min_samples},
-            draft={k: float(np.median(v)) for k, v in self._draft.items()
+            draft={k: float(np.quantile(v, q)) for k, v in self._draft.items()
                    if len(v) >= min_samples},
         )
