@@ -333,7 +333,7 @@ def write_plot(rows: Sequence[Mapping[str, Any]], out_prefix: Path) -> Path | No
     a1.set_ylabel("output tokens/s")
     a2.set_ylabel("TPOT ms (median; x = p99)")
     fig.tight_layout()
-    path = out_prefix.with_suffix(".png")
+    path = out_prefix.with_name(out_prefix.name + ".png")  # keeps a dotted suite name whole
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
@@ -473,8 +473,10 @@ class OnlineRunner:
         }
         self.out_dir.mkdir(parents=True, exist_ok=True)
         base = self.out_dir / self.suite.name
-        base.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str) + "\n")
-        base.with_suffix(".md").write_text(render_markdown(result))
+        # not with_suffix: it would cut a dotted suite name (as in benchmarks.run.write_result)
+        base.with_name(base.name + ".json").write_text(
+            json.dumps(result, indent=1, default=str) + "\n")
+        base.with_name(base.name + ".md").write_text(render_markdown(result))
         if not partial:
             try:
                 plot = write_plot(result["summary"], base)

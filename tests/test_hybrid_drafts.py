@@ -121,6 +121,9 @@ def test_greedy_identical_and_lookup_drafts_land(dev, reference, name):
     lookup_tokens = _delta(before, after, "lookup_tokens")
     assert lookup_tokens > 0 and _delta(before, after, "lookup_accepted") > 0, (before, after)
     assert _delta(before, after, "lookup_accepted") <= lookup_tokens
+    # a lookup draft handed out was found first (found and not taken: it did not pay)
+    handed = _delta(before, after, "lookup_rows")
+    assert _delta(before, after, "lookup_found") >= handed > 0, (before, after)
     if kind == "lookup":
         assert after["draft_passes"] == 0 and lookup_tokens == _delta(before, after, "draft_tokens")
         assert _delta(before, after, "lookup_only_steps") > 0
@@ -129,7 +132,7 @@ def test_greedy_identical_and_lookup_drafts_land(dev, reference, name):
         assert _delta(before, after, "prepare_skipped") == _delta(before, after, "steps")
         assert _delta(before, after, "lookup_accepted") == delta["num_accepted_tokens"]
         # a request-step handed a lookup draft is not "drafting off"
-        off, handed = _delta(before, after, "rows_off"), _delta(before, after, "lookup_rows")
+        off = _delta(before, after, "rows_off")
         assert off + handed == _delta(before, after, "rows_considered"), (before, after)
     print(f"{kind} / {name}: {lookup_tokens} lookup and "
           f"{_delta(before, after, 'draft_tokens') - lookup_tokens} layer-skip draft tokens, "

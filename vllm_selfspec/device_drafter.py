@@ -162,6 +162,7 @@ class SelfSpecDeviceProposer(DraftModelProposer):
             "confidence_exits": 0,
             # prompt-lookup drafts ("drafts": "hybrid" / "lookup"); the rest of draft_tokens
             # came from layer-skip passes
+            "lookup_found": 0,  # request-steps with a lookup draft found (taken or not)
             "lookup_rows": 0,  # request-steps handed a lookup draft
             "lookup_tokens": 0,
             "lookup_accepted": 0,
@@ -374,6 +375,7 @@ class SelfSpecDeviceProposer(DraftModelProposer):
             self.runner, req_ids, self.k_max, self._bad_override_warned
         )
         budgets = self.controller.plan(req_ids, overrides=overrides)
+        self.counters["lookup_found"] += len(found)
         self._lookups = self._choose_lookups(req_ids, budgets, k_limit, found)
         if self.settings.drafts == "lookup":  # prompt lookup only: no layer-skip pass ever
             budgets = [0] * len(budgets)
