@@ -60,7 +60,7 @@ from vllm.v1.spec_decode.draft_model import DraftModelProposer
 from vllm_selfspec.config import SelfSpecSettings
 from vllm_selfspec.controller import DraftLengthController, running_request_overrides
 from vllm_selfspec.cost_feed import CostFeed
-from vllm_selfspec.lookup import LookupAcceptance, lookup_length
+from vllm_selfspec.lookup import LOOKUP_MIN_GAIN, LookupAcceptance, lookup_length
 from vllm_selfspec.patches import (
     ADDITIONAL_CONFIG_KEY,
     patch_runner_cpu_discarded_generators,
@@ -424,7 +424,7 @@ class SelfSpecDeviceProposer(DraftModelProposer):
                     skip_budget=budget,
                     verify_cost=verify.__getitem__,
                     draft_cost=draft_cost,
-                    min_gain=self.controller.config.min_gain,
+                    min_gain=LOOKUP_MIN_GAIN,
                 )]
             if tokens:
                 chosen[req_id] = tokens

@@ -12,7 +12,9 @@ the draft-length controller planned, in expected tokens per unit of time (plain 
 ``E(a, k)`` is :func:`vllm_selfspec.controller.expected_tokens`, ``v(k)`` a step verifying ``k``
 drafts per request and ``r`` one draft forward, both in plain steps of the batch (the
 controller's measured costs). A lookup draft is taken when it pays at least as well as the
-layer-skip plan and beats plain decoding by the controller's ``min_gain``. A step in which every
+layer-skip plan and beats plain decoding by :data:`LOOKUP_MIN_GAIN` (5%: its cost is a
+verification alone, whose estimate spreads less than a draft forward's; the controller asks 10%
+of layer-skip drafts). A step in which every
 drafting request takes its lookup draft runs no draft forward.
 
 Acceptance is measured per request and per source: :class:`LookupAcceptance` keeps the lookup
@@ -36,6 +38,7 @@ lookup only (no draft forward ever runs). ``hybrid``: per request and step, the 
 DEFAULT_DRAFTS = "layer_skip"
 DEFAULT_PROMPT_LOOKUP_MIN = 2
 DEFAULT_PROMPT_LOOKUP_MAX = 4
+LOOKUP_MIN_GAIN = 0.05  # a lookup draft must beat plain decoding by this share (see above)
 
 
 @dataclass
