@@ -189,10 +189,10 @@ def test_controller_sees_what_vllm_verified(dev, reference):
 
 
 def test_confidence_exit_fires_only_when_adaptive(dev):
-    """Draft & Verify's exit cut drafts after a draft below the request's threshold in the
-    adaptive engine's tests above (whose outputs all equalled plain's), and never with k fixed.
-    (The tiny model's top-1 probabilities are low: the first drafts exit before the calibration
-    lowers the threshold where drafts are seen to land.)"""
+    """The adaptive engine cut a pass's drafts where their chained top-1 probability did not pay
+    for their verification (counted as ``confidence_exits``) in the tests above (whose outputs
+    all equalled plain's), and never with k fixed. (The tiny model's top-1 probabilities are
+    low, so its chained probabilities soon fall under the marginal verification cost.)"""
     kind, llm = dev
     [stats] = drafter_stats(llm)
     assert (stats["confidence_exits"] > 0) == (kind == "adaptive"), stats

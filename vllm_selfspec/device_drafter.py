@@ -146,7 +146,6 @@ class SelfSpecDeviceProposer(DraftModelProposer):
         self._cost_feed = CostFeed(device)
         self._budgets: dict[str, int] = {}  # this step's plan, read when the drafts are taken
         self._step_confidences: list[torch.Tensor] = []  # per draft step, [batch] top-1 probs
-        self._kept_confidences: dict[str, list[float]] = {}  # of the drafts handed out
         self._last_req_ids: list[str] = []
         self._last_end: float | None = None
         self._bad_override_warned: set[str] = set()
@@ -339,7 +338,6 @@ class SelfSpecDeviceProposer(DraftModelProposer):
         """Feed the controller this step's verification of the drafts handed out last step
         (drafted: what the scheduler scheduled; accepted: drafted minus vLLM's rejected count);
         returns how many drafts were verified."""
-        confidences, self._kept_confidences = self._kept_confidences, {}
         from_lookup, self._handed_lookup = self._handed_lookup, set()
         total = 0
         if num_rejected is not None and req_ids:
@@ -356,11 +354,10 @@ class SelfSpecDeviceProposer(DraftModelProposer):
                     assert self.lookup_acceptance is not None
                     self.lookup_acceptance.observe(req_id, drafted, accepted)
                     continue
+                # no confidences: they calibrate Draft & Verify's engine-wide exit, which this
+                # drafter does not apply (drafts_worth_verifying cuts a pass's drafts by cost)
                 self.controller.observe_verification(
-                    req_id,
-                    drafted=drafted,
-                    accepted=drafted - int(rejected[row]),
-                    confidences=confidences.get(req_id, [])[:drafted],
+                    req_id, drafted=drafted, accepted=drafted - int(rejected[row])
                 )
         self.controller.retain(req_ids)
         if self.lookup_acceptance is not None:
@@ -542,7 +539,6 @@ class SelfSpecDeviceProposer(DraftModelProposer):
                 keep = self.controller.drafts_worth_verifying(req_id, conf, budget, marginal)
                 if keep < budget:
                     self.counters["confidence_exits"] += 1
-                self._kept_confidences[req_id] = conf[:keep]
             self.counters["trimmed_tokens"] += len(tokens) - keep
             self.counters["draft_tokens"] += keep
             out.append(tokens[:keep])
