@@ -443,9 +443,14 @@ def test_import_is_light() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, cwd=root)
 
 
-def test_device_drafter_defaults_to_fixed_k_and_a_static_set() -> None:
-    s = resolve_settings({"drafter": "device"}, SMOL, 6)
+def test_device_drafter_defaults_to_fixed_k_and_selects_layers_as_the_host_drafter() -> None:
+    s = resolve_settings({"drafter": "device"}, SMOL, 6)  # a shipped profile matches
     assert (s.drafter, s.adaptive, s.layer_selection) == ("device", False, "static")
+    # no profile matches: online layer selection from the default set, as on the host drafter
+    unprofiled = ModelFingerprint("LlamaForCausalLM", 8, 128, 576, name="tiny")
+    online = resolve_settings({"drafter": "device"}, unprofiled, 4)
+    assert online.layer_selection == "online"
+    assert online.layer_selection == resolve_settings({}, unprofiled, 4).layer_selection
     host = resolve_settings({}, SMOL, 6)
     assert host.drafter == "host" and host.adaptive is True
     adaptive = resolve_settings({"drafter": "device", "adaptive": True}, SMOL, 6)
@@ -455,11 +460,10 @@ def test_device_drafter_defaults_to_fixed_k_and_a_static_set() -> None:
 @pytest.mark.parametrize(
     ("extra", "match"),
     [
-        ({"layer_selection": "online"}, "does not support layer_selection"),
         ({"skip_attention": list(range(30)), "skip_mlp": [1]}, "at least one attention"),
     ],
 )
-def test_device_drafter_refuses_what_it_lacks(extra: dict, match: str) -> None:
+def test_device_drafter_refuses_a_static_draft_without_attention(extra: dict, match: str) -> None:
     with pytest.raises(SelfSpecConfigError, match=match):
         resolve_settings({"drafter": "device", **extra}, SMOL, 6)
 

@@ -44,9 +44,13 @@ def _greedy(llm, max_tokens=96, prompts=PROMPTS):
     return token_ids(llm.generate(batch, params, use_tqdm=False))
 
 
-def _spec(**online):
+DRAFTERS = ["host", "device"]
+
+
+def _spec(drafter="host", **online):
     return {
         "method": "selfspec",
+        "drafter": drafter,
         "layer_selection": "online",
         "skip_attention": [3, 6],  # a bad starting set: real layers
         "num_speculative_tokens": 4,
@@ -60,19 +64,24 @@ def reference():
         return _greedy(llm)
 
 
-@pytest.fixture(scope="module")
-def profile_path(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("online") / "found.json")
+@pytest.fixture(scope="module", params=DRAFTERS)
+def drafter(request):
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def online(profile_path, reference):
+def profile_path(tmp_path_factory, drafter):
+    return str(tmp_path_factory.mktemp(f"online-{drafter}") / "found.json")
+
+
+@pytest.fixture(scope="module")
+def online(drafter, profile_path, reference):
     # the reference engine runs (and is shut down) first: vLLM's metrics registry is
     # per-process, and an engine started later would hide this one's spec-decode counters
     # pinned step costs (tests/pinned_costs.py): whether measured costs make drafting pay on this
     # tiny model follows the machine's timings, and the asserts below need the engine to draft
     # wherever acceptance says so
-    with engine(_zero_model(), {**_spec(), "online_profile_out": profile_path},
+    with engine(_zero_model(), {**_spec(drafter), "online_profile_out": profile_path},
                 worker_extension_cls=PINNED_COSTS_EXTENSION) as llm:
         pin_step_costs(llm)
         yield llm
@@ -133,9 +142,10 @@ def test_converges_to_the_zero_output_layers(online, profile_path, reference):
         assert json.load(f)["provenance"]["converged_reason"]
 
 
-def test_kv_check_detects_writes(reference):
+@pytest.mark.parametrize("kind", DRAFTERS)
+def test_kv_check_detects_writes(kind):
     """Negative control for the KV check: scoring with real slots overwrites verified K/V."""
-    spec = _spec(min_tokens=2, candidates_per_step=1)
+    spec = _spec(kind, min_tokens=2, candidates_per_step=1)
     with engine(_zero_model(), spec) as llm:
         assert llm.collective_rpc("selfspec_online_arm_kv_check", args=(2, True)) == [True]
         _greedy(llm, max_tokens=16)
@@ -144,10 +154,11 @@ def test_kv_check_detects_writes(reference):
     assert stats["kv_check_failures"] >= 1
 
 
-def test_tensor_parallel_ranks_agree(reference):
+@pytest.mark.parametrize("kind", DRAFTERS)
+def test_tensor_parallel_ranks_agree(kind, reference):
     with (
         env(VLLM_CPU_OMP_THREADS_BIND="0|1"),
-        engine(_zero_model(), _spec(), tensor_parallel_size=2,
+        engine(_zero_model(), _spec(kind), tensor_parallel_size=2,
                distributed_executor_backend="mp") as llm,
     ):
         assert _greedy(llm) == reference
@@ -161,3 +172,26 @@ def test_tensor_parallel_ranks_agree(reference):
     keys = ("passes", "trace", "skip_attention", "skip_mlp", "budget", "state", "matchness",
             "steps", "candidates_scored", "score_interval")
     assert {k: ranks[0][k] for k in keys} == {k: ranks[1][k] for k in keys}
+
+
+def test_device_drafter_compiles_the_set_it_settles_on():
+    """vLLM's default mode (inductor on CPU): the device drafter explores with an eager draft and
+    compiles the set the search settles on, mid-serving; outputs equal a compiled plain engine's
+    throughout, and the compiled draft of the zero-output layers has every draft accepted."""
+    with engine(_zero_model(), enforce_eager=False) as plain:
+        expected = _greedy(plain)
+    with engine(_zero_model(), _spec("device"), enforce_eager=False) as llm:
+        for _ in range(6):
+            assert _greedy(llm) == expected
+            [stats] = drafter_stats(llm)
+            if stats["online"]["state"] == "converged":
+                break
+        assert stats["online"]["state"] == "converged", stats["online"]
+        assert stats["skip_attention"] == ZERO and stats["skip_mlp"] == ZERO, stats
+        window = MetricsWindow(llm)
+        assert _greedy(llm) == expected
+        drafted = window.delta()
+        [stats] = drafter_stats(llm)
+    # the starting set's draft (compiled at start-up) and the chosen set's, which drafted last
+    assert stats["compiled_drafts"] == 2 and stats["draft_model"] == "compiled", stats
+    assert drafted["num_accepted_tokens"] == drafted["num_draft_tokens"] > 0, drafted

@@ -308,13 +308,7 @@ class SelfSpecSettings:
                 f"drafts={self.drafts!r} (prompt-lookup drafts) needs drafter 'device'; the "
                 f"'{self.drafter}' drafter drafts with layer skipping only ('layer_skip')"
             )
-        if self.drafter == "device":
-            if self.layer_selection != "static":
-                raise SelfSpecConfigError(
-                    f"drafter 'device' (experimental) does not support layer_selection="
-                    f"{self.layer_selection!r} yet: set layer_selection to 'static', or use "
-                    f"drafter 'host'"
-                )
+        if self.drafter == "device" and self.layer_selection == "static":
             if len(self.skip_attention) == n:
                 raise SelfSpecConfigError(
                     "drafter 'device' needs at least one attention sub-layer in the draft "
@@ -496,8 +490,6 @@ def resolve_settings(
     drafter = _check_drafter(given.get("drafter", DEFAULT_DRAFTER), "drafter")
     if "layer_selection" in given:
         layer_selection = _check_layer_selection(given["layer_selection"], "layer_selection")
-    elif drafter == "device":  # not on that path yet: the set chosen above, kept
-        layer_selection = "static"
     elif not lists and "profile" not in given and profile is None and n_layers >= 4:
         layer_selection = "online"
     else:

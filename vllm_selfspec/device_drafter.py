@@ -42,7 +42,13 @@ Differences from vLLM's ``draft_model`` (each a method below, wrapping and deleg
   drafting request took a lookup runs no pass, and lookup drafts reach the rejection sampler as
   deterministic proposals (:meth:`SelfSpecDeviceProposer.take_last_draft_probs`).
 
-Not yet on this path (the ``host`` drafter has it): online layer selection.
+* With ``"layer_selection": "online"`` the skip set is searched while serving
+  (:class:`~vllm_selfspec.online_scoring.OnlineSelector`, as on the host drafter): the draft
+  runs eager while the search explores (one draft model whose skip set changes between passes),
+  and each set the search settles on is compiled once and cached (CPU; on other platforms a set
+  adopted after start-up runs eager, since vLLM captures CUDA graphs only at start-up). The
+  draft's attention layers are then all of the target's, so that the attention metadata of a
+  pass covers whichever set drafts.
 """
 
 from __future__ import annotations
@@ -187,6 +193,22 @@ class SelfSpecDeviceProposer(DraftModelProposer):
             self.lookup_acceptance = LookupAcceptance()
         self._sampled: torch.Tensor | None = None
         self._lookups: dict[str, list[int]] = {}
+        # Online layer selection: the search, the eager draft it explores with, and a compiled
+        # draft per skip set it settled on.
+        self.online: Any = None
+        if self.settings.layer_selection == "online":
+            from vllm_selfspec.online_scoring import OnlineSelector
+
+            self.online = OnlineSelector(
+                self.settings,
+                runner=runner,
+                vllm_config=vllm_config,
+                k_max=self.k_max,
+                tp_rank=self._cost_feed.rank,
+                tp_world_size=self._cost_feed.world_size,
+            )
+        self._explorer: SelfDraftModel | None = None
+        self._compiled: dict[tuple[frozenset[int], frozenset[int]], SelfDraftModel] = {}
         self._handed_lookup: set[str] = set()
         if runner is not None:
             patch_runner_input_fits_in_drafter(runner)
@@ -204,25 +226,65 @@ class SelfSpecDeviceProposer(DraftModelProposer):
 
     def load_model(self, target_model: nn.Module) -> None:
         """Build the self-draft model over ``target_model``; load nothing, allocate no KV."""
+        skip_attention = frozenset(self.settings.skip_attention)
+        skip_mlp = frozenset(self.settings.skip_mlp)
+        self._target_model = target_model
+        self.model = self._compiled_draft(skip_attention, skip_mlp)
+        if self.online is None:
+            self._draft_attn_layer_names = attention_layer_names(self.model._skip, skip_attention)
+            return
+        self._draft_attn_layer_names = attention_layer_names(self.model._skip, frozenset())
+        self._explorer = self._new_draft(skip_attention, skip_mlp, tag="selfspec_draft_explore")
+        self._explorer.do_not_compile = True  # eager: its skip set changes between passes
+        start = self.online.attach(self.model._skip, target_model)
+        self._use_skip_set(frozenset(start.attention), frozenset(start.mlp))
+
+    def _new_draft(
+        self, skip_attention: frozenset[int], skip_mlp: frozenset[int], tag: str
+    ) -> SelfDraftModel:
         from vllm.compilation.backends import set_model_tag
         from vllm.config import set_current_vllm_config
 
-        skip_attention = frozenset(self.settings.skip_attention)
-        skip_mlp = frozenset(self.settings.skip_mlp)
-        # One compile-cache tag per skip set: a compiled graph bakes the skip set in.
-        tag = "selfspec_draft_a{}_m{}".format(
-            "-".join(map(str, sorted(skip_attention))) or "none",
-            "-".join(map(str, sorted(skip_mlp))) or "none",
-        )
         with set_model_tag(tag), set_current_vllm_config(self.vllm_config):
-            self.model = SelfDraftModel(
+            return SelfDraftModel(
                 vllm_config=self.vllm_config,
                 prefix="selfspec_draft",
-                target=target_model,
+                target=self._target_model,
                 skip_attention=skip_attention,
                 skip_mlp=skip_mlp,
             )
-        self._draft_attn_layer_names = attention_layer_names(self.model._skip, skip_attention)
+
+    def _compiled_draft(self, skip_attention: frozenset[int], skip_mlp: frozenset[int]) -> Any:
+        """The draft model of this skip set through vLLM's compilation path (compiled at its
+        first pass), built once per set."""
+        key = (skip_attention, skip_mlp)
+        model = self._compiled.get(key)
+        if model is None:
+            # One compile-cache tag per skip set: a compiled graph bakes the skip set in.
+            tag = "selfspec_draft_a{}_m{}".format(
+                "-".join(map(str, sorted(skip_attention))) or "none",
+                "-".join(map(str, sorted(skip_mlp))) or "none",
+            )
+            model = self._compiled[key] = self._new_draft(skip_attention, skip_mlp, tag)
+        return model
+
+    def _use_skip_set(self, skip_attention: frozenset[int], skip_mlp: frozenset[int]) -> None:
+        """Online selection: draft with this set from the next pass on: its compiled draft when
+        there is one or the search has settled on it (CPU), else the eager explorer."""
+        from vllm.platforms import current_platform
+
+        assert self.online is not None and self._explorer is not None
+        model = self._compiled.get((skip_attention, skip_mlp))
+        if model is None and not self.online.searching and current_platform.is_cpu():
+            model = self._compiled_draft(skip_attention, skip_mlp)
+            logger.info(
+                "selfspec online: compiling the draft of the chosen set (attention %s, MLP %s)",
+                sorted(skip_attention), sorted(skip_mlp),
+            )
+        if model is None:
+            model = self._explorer
+            model.skip_attention, model.skip_mlp = skip_attention, skip_mlp
+        self.model = model
 
     # --- the pass ---------------------------------------------------------------------------
 
@@ -280,7 +342,9 @@ class SelfSpecDeviceProposer(DraftModelProposer):
         start = time.perf_counter()
         req_ids = list(self.runner.input_batch.req_ids) if self.runner is not None else []
         discarded = self._discarded(len(req_ids))
-        verified = self._observe_verification(req_ids, num_rejected)
+        verified, skip_verified = self._observe_verification(req_ids, num_rejected)
+        if self.online is not None:  # may switch the skip set: between passes only
+            self._online_step(req_ids, discarded, skip_verified)
         # The gap since the previous pass is one verification step only while the same requests
         # keep decoding (a changed batch means prefills or an idle engine in between).
         if self._last_end is not None and req_ids == self._last_req_ids and not any(discarded):
@@ -334,12 +398,14 @@ class SelfSpecDeviceProposer(DraftModelProposer):
             return [False] * num_reqs
         return [bool(v) for v in mask[:num_reqs]]
 
-    def _observe_verification(self, req_ids: list[str], num_rejected: torch.Tensor | None) -> int:
+    def _observe_verification(
+        self, req_ids: list[str], num_rejected: torch.Tensor | None
+    ) -> tuple[int, tuple[int, int]]:
         """Feed the controller this step's verification of the drafts handed out last step
         (drafted: what the scheduler scheduled; accepted: drafted minus vLLM's rejected count);
-        returns how many drafts were verified."""
+        returns how many drafts were verified, and (drafted, accepted) of the layer-skip ones."""
         from_lookup, self._handed_lookup = self._handed_lookup, set()
-        total = 0
+        total = skip_drafted = skip_accepted = 0
         if num_rejected is not None and req_ids:
             rejected = num_rejected[: len(req_ids)].tolist()  # one read per step
             scheduled = self.runner.input_batch.spec_token_ids
@@ -354,15 +420,44 @@ class SelfSpecDeviceProposer(DraftModelProposer):
                     assert self.lookup_acceptance is not None
                     self.lookup_acceptance.observe(req_id, drafted, accepted)
                     continue
+                accepted = drafted - int(rejected[row])
+                skip_drafted += drafted
+                skip_accepted += accepted
                 # no confidences: they calibrate Draft & Verify's engine-wide exit, which this
                 # drafter does not apply (drafts_worth_verifying cuts a pass's drafts by cost)
-                self.controller.observe_verification(
-                    req_id, drafted=drafted, accepted=drafted - int(rejected[row])
-                )
+                self.controller.observe_verification(req_id, drafted=drafted, accepted=accepted)
         self.controller.retain(req_ids)
         if self.lookup_acceptance is not None:
             self.lookup_acceptance.retain(req_ids)
-        return total
+        return total, (skip_drafted, skip_accepted)
+
+    def _online_step(
+        self, req_ids: list[str], discarded: list[bool], verified: tuple[int, int]
+    ) -> None:
+        """Online layer selection's step, timed by the controller's step costs (rank 0's on
+        every tensor-parallel rank)."""
+        assert self.online is not None
+        costs = self.controller.step_costs
+        batch_size = max(1, len(req_ids))
+        timings = (
+            float(costs.draft_cost(batch_size, batch_size)) if costs.draft else None,
+            costs.plain_cost(batch_size) if costs.has_plain(batch_size) else None,
+        )
+        batch = self.runner.input_batch
+        new = self.online.step(
+            [not d for d in discarded],
+            batch.num_tokens_no_spec,
+            batch.token_ids_cpu,
+            verified=verified,
+            timings=timings,
+        )
+        if new is not None:
+            # the acceptance the controller learnt was the old set's: restart it from the new
+            # set's matchness on the traffic (the same on every tensor-parallel rank)
+            self.controller.restart_acceptance(self.online.search.matchness(new))
+        if new is not None or (self.model is self._explorer and not self.online.searching):
+            current = self.online.current
+            self._use_skip_set(frozenset(current.attention), frozenset(current.mlp))
 
     def _plan(self, req_ids: list[str], k_limit: int, found: dict[str, list[int]]) -> int:
         """Budgets of this step's decoding requests (kept for :meth:`trim`; the others get none),
@@ -582,4 +677,11 @@ class SelfSpecDeviceProposer(DraftModelProposer):
             "draft_cost_s": float(costs.draft_cost(batch, batch)) if costs.draft else None,
             "plain_step_s": costs.plain_cost(batch) if costs.has_plain(batch) else None,
             "k_max": self.k_max,
+            "skip_attention": sorted(self.model.skip_attention),
+            "skip_mlp": sorted(self.model.skip_mlp),
+            # the draft model of the latest pass: through vLLM's compilation ("compiled", once
+            # it has run) or eager (tests' enforce_eager, or online selection exploring)
+            "draft_model": "compiled" if getattr(self.model, "compiled", False) else "eager",
+            "compiled_drafts": len(self._compiled),
+            "online": self.online.stats() if self.online is not None else None,
         }

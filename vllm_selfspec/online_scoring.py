@@ -36,20 +36,24 @@ from __future__ import annotations
 
 import atexit
 import datetime as _dt
+import functools
 import logging
 import time
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
+from vllm_selfspec.batch_forward import skip_model_logits
 from vllm_selfspec.online_search import (
     Candidate,
     OnlineLayerSearch,
     OnlineSearchConfig,
     SubLayerCosts,
 )
+from vllm_selfspec.skip_forward import LayerSkipForward
 
 logger = logging.getLogger("vllm.selfspec.online")
 
@@ -72,15 +76,35 @@ def sublayer_costs(target: torch.nn.Module, layers: Any, overhead: float = 0.1) 
 
 
 class OnlineSelector:
-    """Owned by a :class:`~vllm_selfspec.proposer.SelfSpecProposer` with online selection on."""
+    """Online layer selection for a drafter (either one) with ``layer_selection="online"``.
 
-    def __init__(self, proposer: Any) -> None:
-        settings = proposer.settings
-        self.proposer = proposer
+    The drafter calls :meth:`attach` once it has the target, then :meth:`step` once per engine
+    step between the verification of its drafts and its next draft round; both return the skip
+    set the drafter is to draft with from then on (``step``: only when it changed). The selector
+    never touches the drafter: it reads the runner's input batch and paged cache (read-only; its
+    scoring passes write no KV) and runs its passes with :func:`~vllm_selfspec.batch_forward.
+    skip_model_logits`.
+    """
+
+    def __init__(
+        self,
+        settings: Any,
+        *,
+        runner: Any,
+        vllm_config: Any,
+        k_max: int,
+        tp_rank: int = 0,
+        tp_world_size: int = 1,
+    ) -> None:
+        self.runner = runner
+        self.vllm_config = vllm_config
+        self.k_max = int(k_max)
+        self.tp_rank, self.tp_world_size = tp_rank, tp_world_size
         self.config = OnlineSearchConfig.from_dict(settings.online_search)
         self.profile_out: str | None = settings.online_profile_out
         self.search: OnlineLayerSearch | None = None
-        self.initial = Candidate.of(proposer.skip_attention, proposer.skip_mlp)
+        self.initial = Candidate.of(settings.skip_attention, settings.skip_mlp)
+        self.current = self.initial  # the set the drafter drafts with
         self.counters: dict[str, Any] = {
             "passes": 0,
             "scored_positions": 0,
@@ -94,12 +118,11 @@ class OnlineSelector:
             "profile_written": None,
         }
         self.trace: list[dict[str, Any]] = []  # (engine step, incumbent, matchness) per change
+        self._run: Any = None  # skip_model_logits bound to the runner and the target
         self._engine_steps = 0
         self._pass_s: float | None = None
         self._verify_s: float | None = None
         self._draft_s: float | None = None
-        self._prev_step_end: float | None = None
-        self._prev_forwards = 0
         self._kv_checks_left = 0
         self._kv_write_slots = False
         self._announced_convergence = False
@@ -107,104 +130,106 @@ class OnlineSelector:
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
-    def attach(self) -> None:
-        """After the proposer has the target (``load_model``): build the search."""
-        forward = self.proposer._forward
-        layers = forward.stack.layers
-        costs = sublayer_costs(self.proposer._target, layers)
-        self.search = OnlineLayerSearch(
-            forward.num_layers, self.proposer.k_max, self.config, costs, self.initial
+    def attach(self, forward: LayerSkipForward, target: torch.nn.Module) -> Candidate:
+        """Once the drafter has the target: build the search; returns the set to start with."""
+        self._run = functools.partial(
+            skip_model_logits, self.runner, self.vllm_config, forward, target
         )
-        if self.search.incumbent != self.initial:
-            self._apply(self.search.incumbent)
-        if self.profile_out and self.proposer._tp_rank == 0:
+        costs = sublayer_costs(target, forward.stack.layers)
+        self.search = OnlineLayerSearch(
+            forward.num_layers, self.k_max, self.config, costs, self.initial
+        )
+        self._adopt(self.search.incumbent)
+        if self.profile_out and self.tp_rank == 0:
             ref = weakref.ref(self)
             self._finalizer = atexit.register(_write_at_exit, ref)
         logger.info(
             "selfspec online layer selection on TP rank %d: starting from %s; %s",
-            self.proposer._tp_rank,
+            self.tp_rank,
             self.search.incumbent.describe(),
             ", ".join(f"{k}={v}" for k, v in self.config.to_dict().items()),
         )
+        return self.current
+
+    @property
+    def searching(self) -> bool:
+        return self.search is not None and self.search.searching
 
     # ---- per step ----------------------------------------------------------------------------
 
     def step(
         self,
-        req_ids: list[str],
-        sampled: list[list[int]],
+        decoding: Sequence[bool],
         num_tokens_no_spec: np.ndarray,
         token_ids_cpu: np.ndarray,
-    ) -> None:
-        """Called once per ``propose()`` after the verification was observed, before planning."""
+        *,
+        verified: tuple[int, int],
+        timings: tuple[float | None, float | None],
+    ) -> Candidate | None:
+        """One engine step. ``decoding``: per row of the input batch, whether it sampled a token
+        this step (False for a partial prefill: nothing to score); ``num_tokens_no_spec`` /
+        ``token_ids_cpu``:
+        the runner's token table, whose first ``num_tokens_no_spec[row]`` tokens of a row all
+        have the full model's K/V but the newest (scoring reads positions up to ``n - 2``);
+        ``verified``: (drafted, accepted) layer-skip drafts verified this step; ``timings``: a
+        draft forward's and a verification step's seconds as the drafter measures them (None:
+        not measured). Returns the new skip set to draft with, or None when it is unchanged."""
         search = self.search
         if search is None:
-            return
+            return None
         start = time.perf_counter()
-        self._measure(start)
+        draft_s, verify_s = timings
+        if verify_s is not None and verify_s > 0:
+            self._verify_s = _ema(self._verify_s, verify_s)
+        if draft_s is not None and draft_s > 0:
+            self._draft_s = _ema(self._draft_s, draft_s)
         self._engine_steps += 1
         if self.counters["first_step_t"] is None:
             self.counters["first_step_t"] = time.time()
-        self._observe_acceptance(sampled)
+        if not search.searching and search.observe_acceptance(*verified):
+            self._announced_convergence = False
+            logger.info("selfspec online: acceptance drifted down; search restarted")
         if search.searching:
             if self._engine_steps % _SYNC_INTERVAL == 0:
                 self._sync_timings()
             if search.due():
-                window = self._window(sampled, num_tokens_no_spec, token_ids_cpu)
+                window = self._window(decoding, num_tokens_no_spec, token_ids_cpu)
                 if window is not None:
                     self._score(window)
             if not search.searching and not self._announced_convergence:
                 self._on_converged()
-        self._prev_step_end = time.perf_counter()
-        self.counters["overhead_s"] += self._prev_step_end - start
+        changed = self._adopt(search.incumbent)
+        self.counters["overhead_s"] += time.perf_counter() - start
         self.counters["last_step_t"] = time.time()
+        return self.current if changed else None
 
-    def _observe_acceptance(self, sampled: list[list[int]]) -> None:
-        search = self.search
-        assert search is not None
-        if search.searching:
-            return
-        spec = self.proposer.runner.input_batch.spec_token_ids
-        drafted_total = accepted_total = 0
-        for row, out in enumerate(sampled):
-            if not out or row >= len(spec):
-                continue
-            drafted = sum(1 for t in spec[row] if t >= 0)
-            if drafted:
-                drafted_total += drafted
-                accepted_total += min(len(out) - 1, drafted)
-        if search.observe_acceptance(drafted_total, accepted_total):
-            self._announced_convergence = False
-            logger.info("selfspec online: acceptance drifted down; search restarted")
-
-    def _measure(self, now: float) -> None:
-        """Own timings from the drafter's call pattern: the previous ``propose()`` ran its draft
-        round from the end of our previous step to ``_last_propose_end`` (``draft_forwards``
-        forwards), and the engine's verification step took from then until now."""
-        p = self.proposer
-        end = getattr(p, "_last_propose_end", None)
-        forwards = int(getattr(p, "counters", {}).get("draft_forwards", 0))
-        prev_end, prev_forwards = self._prev_step_end, self._prev_forwards
-        self._prev_forwards = forwards
-        if prev_end is None or end is None or end < prev_end:
-            return
-        verify_s = now - end
-        if verify_s > 0:
-            self._verify_s = _ema(self._verify_s, verify_s)
-        if forwards > prev_forwards:
-            self._draft_s = _ema(self._draft_s, (end - prev_end) / (forwards - prev_forwards))
+    def _adopt(self, cand: Candidate) -> bool:
+        """Make ``cand`` the set to draft with; returns whether it changed."""
+        if cand == self.current:
+            return False
+        assert self.search is not None
+        self.current = cand
+        self.counters["switches"] += 1
+        self.trace.append(
+            {
+                "engine_step": self._engine_steps,
+                "skip_attention": list(cand.attention),
+                "skip_mlp": list(cand.mlp),
+                "matchness": self.search.matchness(cand),
+            }
+        )
+        return True
 
     def _sync_timings(self) -> None:
-        p = self.proposer
         search = self.search
         assert search is not None
         values = [
             -1.0 if x is None else float(x) for x in (self._pass_s, self._verify_s, self._draft_s)
         ]
-        if p._tp_world_size > 1:  # decisions from rank 0's clock only
+        if self.tp_world_size > 1:  # decisions from rank 0's clock only
             from vllm.distributed import get_tp_group
 
-            t = torch.tensor(values, dtype=torch.float64, device=p.device)
+            t = torch.tensor(values, dtype=torch.float64, device=self.runner.device)
             t = get_tp_group().broadcast(t, src=0)
             values = [float(x) for x in t.cpu()]
         pass_s, step_s, draft_s = values
@@ -216,18 +241,18 @@ class OnlineSelector:
     # ---- windows and scoring passes ---------------------------------------------------------
 
     def _window(
-        self, sampled: list[list[int]], num_tokens_no_spec: np.ndarray, token_ids_cpu: np.ndarray
+        self, decoding: Sequence[bool], num_tokens_no_spec: np.ndarray, token_ids_cpu: np.ndarray
     ) -> dict[str, Any] | None:
         """The most recent verified generated tokens of the decoding requests (same on every
         rank: it depends only on the input batch)."""
         cfg = self.config
-        batch = self.proposer.runner.input_batch
+        batch = self.runner.input_batch
         rows: list[int] = []
         starts: list[int] = []
         lengths: list[int] = []
         total = 0
-        for row, out in enumerate(sampled):
-            if not out:
+        for row, sampled in enumerate(decoding):
+            if not sampled:
                 continue
             n = int(num_tokens_no_spec[row])
             prompt = int(batch.num_prompt_tokens[row])
@@ -278,62 +303,40 @@ class OnlineSelector:
         candidates = search.next_candidates()
         snapshot = None
         if self._kv_checks_left > 0:
-            snapshot = [t.clone() for t in self.proposer.runner.kv_caches]
+            snapshot = [t.clone() for t in self.runner.kv_caches]
         t0 = time.perf_counter()
-        emitted = torch.from_numpy(window["targets"]).to(self.proposer.device)
+        emitted = torch.from_numpy(window["targets"]).to(self.runner.device)
         # Targets: the full model's argmax under the same attention as the candidates (no
         # diagonal), so that the comparison isolates the skipped sub-layers; its agreement with
         # the emitted tokens is kept as a diagnostic.
-        reference = score_forward(self.proposer, window, Candidate((), ()))
+        reference = score_forward(self._run, window, Candidate((), ()))
         targets = reference.argmax(dim=-1)
         positions = int(targets.numel())
         self.counters["reference_hits"] += int((targets == emitted).sum().item())
         self.counters["reference_positions"] += positions
         for cand in candidates:
-            logits = score_forward(self.proposer, window, cand, write_slots=self._kv_write_slots)
+            logits = score_forward(self._run, window, cand, write_slots=self._kv_write_slots)
             hits = int((logits.argmax(dim=-1) == targets).sum().item())
             self.counters["passes"] += 1
             self.counters["scored_positions"] += positions
-            before = search.incumbent
             search.report(cand, hits, positions)
-            if search.incumbent != before:
-                self._apply(search.incumbent)
         if candidates:
             per_step = time.perf_counter() - t0
             self._pass_s = _ema(self._pass_s, per_step, 0.2)
         if snapshot is not None:
             self._kv_checks_left -= 1
             self.counters["kv_checks"] += 1
-            after = self.proposer.runner.kv_caches
+            after = self.runner.kv_caches
             if len(after) != len(snapshot) or not all(
                 torch.equal(a, b) for a, b in zip(snapshot, after, strict=True)
             ):
                 self.counters["kv_check_failures"] += 1
 
-    def _apply(self, cand: Candidate) -> None:
-        """Make ``cand`` the drafter's skip set (called between draft rounds only)."""
-        p = self.proposer
-        p.skip_attention = frozenset(cand.attention)
-        p.skip_mlp = frozenset(cand.mlp)
-        self.counters["switches"] += 1
-        assert self.search is not None
-        # the acceptance the controller learnt was the old set's: restart it from the new set's
-        # matchness on the traffic (the same on every tensor-parallel rank: the search is)
-        p.controller.restart_acceptance(self.search.matchness(cand))
-        self.trace.append(
-            {
-                "engine_step": self._engine_steps,
-                "skip_attention": list(cand.attention),
-                "skip_mlp": list(cand.mlp),
-                "matchness": self.search.matchness(cand),
-            }
-        )
-
     def _on_converged(self) -> None:
         assert self.search is not None
         self._announced_convergence = True
         self.counters["converged_at_step"] = self._engine_steps
-        if self.proposer._tp_rank == 0:
+        if self.tp_rank == 0:
             summary = self.search.summary()
             logger.info(
                 "selfspec online search converged (%s) after %d passes: %s, matchness %s, "
@@ -351,20 +354,20 @@ class OnlineSelector:
     def write_profile(self, path: str | None = None) -> str | None:
         """Write the best set found as a profile (rank 0 only); returns the path written."""
         path = path or self.profile_out
-        if not path or self.search is None or self.proposer._tp_rank != 0:
+        if not path or self.search is None or self.tp_rank != 0:
             return None
         from pathlib import Path
 
         from vllm_selfspec.engine_config import _text_config
         from vllm_selfspec.profiles import ModelFingerprint, Profile
 
-        model_config = self.proposer.vllm_config.model_config
+        model_config = self.vllm_config.model_config
         name = Path(path).name.removesuffix(".json")
         fp = ModelFingerprint.from_hf_config(
             _text_config(model_config), name=str(model_config.model)
         )
         s = self.search.summary()
-        k = int(s["draft_k"]) or self.proposer.k_max
+        k = int(s["draft_k"]) or self.k_max
         profile = Profile(
             name=name,
             model=fp,
@@ -391,7 +394,7 @@ class OnlineSelector:
                 "restarts": s["restarts"],
                 "budget": s["budget"],
                 "seed": self.config.seed,
-                "k_max": self.proposer.k_max,
+                "k_max": self.k_max,
             },
         )
         profile.save(path)
@@ -430,12 +433,12 @@ def _write_at_exit(ref: weakref.ref) -> None:
         logger.warning("selfspec online: could not write the profile at exit: %s", exc)
 
 
-@torch.inference_mode()
 def score_forward(
-    proposer: Any, window: dict[str, Any], cand: Candidate, write_slots: bool = False
+    run: Any, window: dict[str, Any], cand: Candidate, write_slots: bool = False
 ) -> torch.Tensor:
     """Logits ``[tokens, vocab]`` of a draft-mode forward with skip set ``cand`` over ``window``,
-    teacher-forced, reading the paged cache and writing no KV (slot -1 everywhere).
+    teacher-forced, reading the paged cache and writing no KV (slot -1 everywhere). ``run`` is
+    :func:`~vllm_selfspec.batch_forward.skip_model_logits` bound to the runner and the target.
     ``write_slots`` (tests only) uses the positions' real slots instead, i.e. overwrites the
     verified K/V of the window with the draft's."""
     rows: np.ndarray = window["rows"]
@@ -450,7 +453,7 @@ def score_forward(
     ends = np.cumsum(lengths)
     query_start_cpu = torch.zeros(len(rows) + 1, dtype=torch.int32)
     query_start_cpu[1:] = torch.from_numpy(ends.astype(np.int32))
-    return proposer.run_skip_model(
+    return run(
         rows=rows,
         row_of_token=np.repeat(rows, lengths),
         positions=positions,

@@ -18,12 +18,12 @@ from __future__ import annotations
 import inspect
 import logging
 import time
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
+from vllm_selfspec.batch_forward import skip_model_logits
 from vllm_selfspec.config import SelfSpecSettings
 from vllm_selfspec.controller import DraftLengthController, running_request_overrides
 from vllm_selfspec.cost_feed import CostFeed
@@ -106,7 +106,15 @@ class SelfSpecProposer:
         if self.settings.layer_selection == "online":
             from vllm_selfspec.online_scoring import OnlineSelector
 
-            self.online = OnlineSelector(self)
+            self.online = OnlineSelector(
+                self.settings,
+                runner=self.runner,
+                vllm_config=vllm_config,
+                k_max=self.k_max,
+                tp_rank=self._tp_rank,
+                tp_world_size=self._tp_world_size,
+            )
+        self._round: tuple[float, int] | None = None  # (start, forwards before) of the last round
         self.counters: dict[str, int] = {
             "steps": 0,
             "steps_with_drafts": 0,
@@ -143,7 +151,7 @@ class SelfSpecProposer:
             self._forward.num_layers,
         )
         if self.online is not None:
-            self.online.attach()
+            self._use_skip_set(self.online.attach(self._forward, target_model))
 
     @torch.inference_mode()
     def propose(
@@ -158,9 +166,10 @@ class SelfSpecProposer:
         req_ids = list(input_batch.req_ids)
         drafts: list[list[int]] = [[] for _ in req_ids]
 
-        verified_drafts = self._observe_verification(req_ids, sampled_token_ids)
+        verified_drafts, accepted = self._observe_verification(req_ids, sampled_token_ids)
         if self.online is not None:  # may switch the skip set, never inside a draft round
-            self.online.step(req_ids, sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
+            self._online_step(start, sampled_token_ids, num_tokens_no_spec, token_ids_cpu,
+                              (verified_drafts, accepted))
         # The gap since the previous call is one verification step only while the same requests
         # keep decoding: a changed batch means prefills, or an idle engine waiting for requests,
         # either of which would make drafting look far cheaper than it is.
@@ -180,13 +189,15 @@ class SelfSpecProposer:
 
     # --- per-step pieces --------------------------------------------------------------------------
 
-    def _observe_verification(self, req_ids: list[str], sampled: list[list[int]]) -> int:
+    def _observe_verification(
+        self, req_ids: list[str], sampled: list[list[int]]
+    ) -> tuple[int, int]:
         """Feed the controller the outcome of the verified drafts; returns how many drafts the
-        step verified."""
+        step verified and how many of them were accepted."""
         spec_token_ids = self.runner.input_batch.spec_token_ids
         confidences = self._draft_confidences
         self._draft_confidences = {}
-        total = 0
+        total = total_accepted = 0
         for row, req_id in enumerate(req_ids):
             if not sampled[row]:
                 continue
@@ -194,11 +205,51 @@ class SelfSpecProposer:
             total += drafted
             if drafted:
                 accepted = min(len(sampled[row]) - 1, drafted)
+                total_accepted += accepted
                 self.controller.observe_verification(
                     req_id, drafted=drafted, accepted=accepted,
                     confidences=confidences.get(req_id, [])[:drafted])
         self.controller.retain(req_ids)
-        return total
+        return total, total_accepted
+
+    def _online_step(
+        self,
+        start: float,
+        sampled: list[list[int]],
+        num_tokens_no_spec: np.ndarray,
+        token_ids_cpu: np.ndarray,
+        verified: tuple[int, int],
+    ) -> None:
+        """Online layer selection's step, timed from this drafter's call pattern: the previous
+        draft round ran from ``_round`` to the end of the previous ``propose()``, and the
+        engine's verification step took from then until ``start``."""
+        assert self.online is not None
+        end = self._last_propose_end
+        verify_s = draft_s = None
+        if end is not None and self._round is not None and end >= self._round[0]:
+            verify_s = start - end
+            forwards = self.counters["draft_forwards"] - self._round[1]
+            if forwards > 0:
+                draft_s = (end - self._round[0]) / forwards
+        new = self.online.step(
+            [bool(tokens) for tokens in sampled], num_tokens_no_spec, token_ids_cpu,
+            verified=verified, timings=(draft_s, verify_s),
+        )
+        if new is not None:
+            self._use_skip_set(new)
+        self._round = (time.perf_counter(), self.counters["draft_forwards"])
+
+    def _use_skip_set(self, cand: Any) -> None:
+        """Draft with ``cand`` from the next round on (online selection)."""
+        assert self.online is not None and self.online.search is not None
+        if (frozenset(cand.attention), frozenset(cand.mlp)) == (self.skip_attention,
+                                                                 self.skip_mlp):
+            return
+        self.skip_attention = frozenset(cand.attention)
+        self.skip_mlp = frozenset(cand.mlp)
+        # the acceptance the controller learnt was the old set's: restart it from the new set's
+        # matchness on the traffic (the same on every tensor-parallel rank: the search is)
+        self.controller.restart_acceptance(self.online.search.matchness(cand))
 
     def _plan(
         self, req_ids: list[str], sampled: list[list[int]], num_tokens_no_spec: np.ndarray
@@ -331,78 +382,13 @@ class SelfSpecProposer:
             step=step,
         )
 
-    def run_skip_model(
-        self,
-        *,
-        rows: np.ndarray,
-        row_of_token: np.ndarray,
-        positions: np.ndarray,
-        tokens: np.ndarray,
-        query_start_cpu: torch.Tensor,
-        seq_lens_cpu: torch.Tensor,
-        max_query_len: int,
-        skip_attention: Sequence[int],
-        skip_mlp: Sequence[int],
-        step: int = 0,
-        write_kv: bool = True,
-    ) -> torch.Tensor:
-        """Logits ``[tokens, vocab]`` of the model with the given sub-layers skipped.
-
-        ``rows`` are the requests' rows in the input batch, ``row_of_token`` / ``positions`` /
-        ``tokens`` one entry per query token. Attention reads the paged cache through vLLM's own
-        metadata builders (``build_metadata_for_drafting``); the tokens' K/V is written to their
-        slots, or nowhere with ``write_kv=False`` (slot -1, the online scorer).
-        """
-        from vllm.forward_context import set_forward_context
-        from vllm.v1.attention.backend import CommonAttentionMetadata
-
-        runner = self.runner
-        device = self.device
-        num_tokens = len(tokens)
-        rows_t = torch.from_numpy(rows).to(device)
-        positions_t = torch.from_numpy(positions).to(device)
-        input_ids = torch.from_numpy(tokens).to(device)
-        query_start = query_start_cpu.to(device)
-        seq_lens = seq_lens_cpu.to(device)
-        max_seq_len = int(seq_lens_cpu.max())
-        num_reqs = len(runner.input_batch.req_ids)
-
-        attn_metadata: dict[str, Any] = {}
-        slot_by_layer: dict[str, torch.Tensor] = {}
-        for gid, groups in enumerate(runner.attn_groups):
-            table = runner.input_batch.block_table[gid]
-            if write_kv:
-                block_size = table.block_size
-                block_ids = table.get_numpy_array()[row_of_token, positions // block_size]
-                slots = torch.from_numpy(
-                    block_ids.astype(np.int64) * block_size + positions % block_size
-                ).to(device)
-            else:
-                slots = torch.full((num_tokens,), -1, dtype=torch.int64, device=device)
-            common = CommonAttentionMetadata(
-                query_start_loc=query_start,
-                query_start_loc_cpu=query_start_cpu,
-                seq_lens=seq_lens,
-                seq_lens_cpu_upper_bound=seq_lens_cpu,
-                num_reqs=len(rows),
-                num_actual_tokens=num_tokens,
-                max_query_len=max_query_len,
-                max_seq_len=max_seq_len,
-                block_table_tensor=table.get_device_tensor(num_reqs)[rows_t],
-                slot_mapping=slots,
-                causal=True,
-                positions=positions_t,
-            )
-            for group in groups:
-                metadata = group.build_metadata_for_drafting(common, step)
-                for layer_name in group.layer_names:
-                    attn_metadata[layer_name] = metadata
-                    slot_by_layer[layer_name] = slots
-        with set_forward_context(
-            attn_metadata, self.vllm_config, num_tokens=num_tokens, slot_mapping=slot_by_layer
-        ):
-            hidden = self._forward(input_ids, positions_t, skip_attention, skip_mlp)
-        return self._target.compute_logits(hidden)
+    def run_skip_model(self, **kwargs: Any) -> torch.Tensor:
+        """Logits of the model with the given sub-layers skipped over rows of the input batch
+        (:func:`vllm_selfspec.batch_forward.skip_model_logits`)."""
+        assert self._forward is not None and self._target is not None
+        return skip_model_logits(
+            self.runner, self.vllm_config, self._forward, self._target, **kwargs
+        )
 
     def _pick_tokens(
         self, logits: torch.Tensor, temperatures: np.ndarray, sample_mask: np.ndarray
