@@ -3,6 +3,8 @@
     python -m benchmarks.online_selection              # SmolLM2-135M-Instruct, ~10 min on 2 cores
     python -m benchmarks.online_selection --dry-run    # print the plan, run nothing
     python -m benchmarks.online_selection --smoke      # tiny random model, seconds (tests)
+    python -m benchmarks.online_selection --drafter device --compile   # the device drafter, in
+                                                       # vLLM's default mode (every engine)
 
 Three engines run the same sequence of request rounds (real prompts, HumanEval and MT-bench
 alternating, chat-templated; greedy; ``--batch`` prompts of up to ``--max-tokens`` tokens per
@@ -58,10 +60,13 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
     layers = 4 if args.smoke else 30
     start_attention, start_mlp = default_skip_set(layers)
     online = {**(SMOKE_ONLINE if args.smoke else BENCH_ONLINE), **(args.online_search or {})}
+    # the device drafter with the adaptive controller, as the host drafter drafts by default
+    drafter = {} if args.drafter == "host" else {"drafter": "device", "adaptive": True}
     methods: dict[str, dict[str, Any] | None] = {
         "plain": None,
         "online": {
             "method": "selfspec",
+            **drafter,
             "layer_selection": "online",
             "skip_attention": list(start_attention),
             "skip_mlp": list(start_mlp),
@@ -72,6 +77,7 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
     if not args.smoke:
         methods["profile"] = {
             "method": "selfspec",
+            **drafter,
             "profile": SMOLLM2_PROFILE,
             "num_speculative_tokens": args.k,
         }
@@ -82,6 +88,8 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
         "max_tokens": args.max_tokens,
         "temperature": 0.0,
         "k": args.k,
+        "drafter": args.drafter,
+        "compiled": args.compile,
         "methods": methods,
         "prompts": "tiny-model token ids" if args.smoke else "humaneval + mtbench, alternating",
     }
@@ -118,7 +126,8 @@ def run_method(name: str, spec: dict[str, Any] | None, model: str, prompts: Sequ
     from vllm_selfspec.spec_metrics import counter_delta
 
     engine = VllmEngine(name, model, spec, max_model_len=1024 if p["model"] != "tiny" else 192,
-                        kv_cache_bytes=(512 << 20) if p["model"] != "tiny" else (1 << 27))
+                        kv_cache_bytes=(512 << 20) if p["model"] != "tiny" else (1 << 27),
+                        enforce_eager=not p.get("compiled", False))
     params = SamplingParams(temperature=0.0, max_tokens=p["max_tokens"])
     rounds: list[dict[str, Any]] = []
     total_tokens = 0
@@ -225,14 +234,15 @@ def summarize(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def render_markdown(doc: dict[str, Any]) -> str:
+def render_markdown(doc: dict[str, Any], stem: str = NAME) -> str:
     s = doc["summary"]
     p = doc["plan"]
     lines = [
         f"# Online layer selection vs offline profile vs plain ({p['model']})",
         "",
         f"{p['rounds']} rounds x {p['batch']} prompts ({p['prompts']}), greedy, up to "
-        f"{p['max_tokens']} new tokens each, k={p['k']}; one engine at a time on "
+        f"{p['max_tokens']} new tokens each, k={p['k']}; {p.get('drafter', 'host')} drafter; "
+        f"{'compiled' if p.get('compiled') else 'eager'} engines, one at a time on "
         f"{doc['host']['cpus']} CPUs. Online search knobs: "
         f"`{json.dumps(p['methods']['online']['online_search'])}`.",
         "",
@@ -264,7 +274,7 @@ def render_markdown(doc: dict[str, Any]) -> str:
             "(None: the draft-length controller had switched drafting off, no draft was "
             "verified).",
         ]
-    lines += ["", f"![acceptance vs generated tokens]({NAME}.png)", ""]
+    lines += ["", f"![acceptance vs generated tokens]({stem}.png)", ""]
     return "\n".join(lines)
 
 
@@ -313,6 +323,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--online-search", type=json.loads, default=None,
                     help="JSON object of online_search knobs (merged over the benchmark's)")
     ap.add_argument("--methods", type=lambda s: s.split(","), default=None)
+    ap.add_argument("--drafter", choices=("host", "device"), default="host",
+                    help="the selfspec drafter (device: with adaptive draft lengths)")
+    ap.add_argument("--compile", action="store_true",
+                    help="every engine in vLLM's default mode (compiled) instead of eager")
     ap.add_argument("--smoke", action="store_true", help="tiny random model, a few rounds")
     ap.add_argument("--dry-run", action="store_true", help="print the plan as JSON and exit")
     ap.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
@@ -352,8 +366,12 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"{NAME}-smoke" if args.smoke else NAME
+    if args.drafter != "host":
+        stem += f"-{args.drafter}"
+    if args.compile:
+        stem += "-compiled"
     (out / f"{stem}.json").write_text(json.dumps(doc, indent=1) + "\n")
-    (out / f"{stem}.md").write_text(render_markdown(doc))
+    (out / f"{stem}.md").write_text(render_markdown(doc, stem))
     plot(doc, out / f"{stem}.png")
     print(json.dumps(doc["summary"], indent=1))
     return 0

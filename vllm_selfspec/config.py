@@ -308,12 +308,6 @@ class SelfSpecSettings:
                 f"drafts={self.drafts!r} (prompt-lookup drafts) needs drafter 'device'; the "
                 f"'{self.drafter}' drafter drafts with layer skipping only ('layer_skip')"
             )
-        if self.drafter == "device" and self.layer_selection == "static":
-            if len(self.skip_attention) == n:
-                raise SelfSpecConfigError(
-                    "drafter 'device' needs at least one attention sub-layer in the draft "
-                    f"(skip_attention skips all {n}); use drafter 'host' for such a set"
-                )
         if self.layer_selection != "online":
             for key in ("online_search", "online_profile_out"):
                 if getattr(self, key) is not None:

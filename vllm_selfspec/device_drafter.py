@@ -230,10 +230,15 @@ class SelfSpecDeviceProposer(DraftModelProposer):
         skip_mlp = frozenset(self.settings.skip_mlp)
         self._target_model = target_model
         self.model = self._compiled_draft(skip_attention, skip_mlp)
+        every_layer = attention_layer_names(self.model._skip, frozenset())
         if self.online is None:
-            self._draft_attn_layer_names = attention_layer_names(self.model._skip, skip_attention)
+            # vLLM builds the pass's attention metadata for the draft's attention layers; a draft
+            # that skips every attention sub-layer reads none, but vLLM needs one group to build
+            self._draft_attn_layer_names = (
+                attention_layer_names(self.model._skip, skip_attention) or every_layer
+            )
             return
-        self._draft_attn_layer_names = attention_layer_names(self.model._skip, frozenset())
+        self._draft_attn_layer_names = every_layer
         self._explorer = self._new_draft(skip_attention, skip_mlp, tag="selfspec_draft_explore")
         self._explorer.do_not_compile = True  # eager: its skip set changes between passes
         start = self.online.attach(self.model._skip, target_model)
@@ -521,6 +526,39 @@ class SelfSpecDeviceProposer(DraftModelProposer):
             if tokens:
                 chosen[req_id] = tokens
         return chosen
+
+    def _sample_from_logits(self, logits: torch.Tensor, sampling_metadata: Any) -> Any:
+        """vLLM's draft sampling, from the distribution the request samples from: the
+        temperature-scaled logits truncated by its top-k / top-p (vLLM's own draft sampler applies
+        the temperature only, so such a request drew most drafts from tokens the target never
+        emits). The truncated distribution is what reaches the rejection sampler as the draft
+        probabilities, so the output distribution is still the target's."""
+        top_k, top_p = sampling_metadata.top_k, sampling_metadata.top_p
+        temperature = sampling_metadata.temperature
+        rows = logits.shape[0]
+        if (
+            not self._enable_probabilistic_draft_probs
+            or sampling_metadata.all_greedy
+            or (top_k is None and top_p is None)
+            or temperature is None
+            or any(t is not None and t.shape[0] != rows for t in (top_k, top_p, temperature))
+        ):
+            return super()._sample_from_logits(logits, sampling_metadata)
+        from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+        from vllm.v1.sample.sampler import _SAMPLING_EPS
+
+        greedy = temperature < _SAMPLING_EPS
+        scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature).view(
+            -1, 1
+        ).to(logits.dtype)
+        truncated = apply_top_k_top_p(scaled, top_k, top_p)
+        # sampled at temperature 1 from here on (greedy rows keep theirs: argmax, which the
+        # truncation keeps)
+        at_one = dataclasses.replace(
+            sampling_metadata,
+            temperature=torch.where(greedy, temperature, torch.ones_like(temperature)),
+        )
+        return super()._sample_from_logits(truncated, at_one)
 
     def _sample_draft_tokens(self, hidden_states: torch.Tensor, sampling_metadata: Any) -> Any:
         """vLLM's draft sampling, plus each row's top-1 probability of the drafted token (the

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any, NamedTuple
 
@@ -575,7 +575,3 @@ class OnlineLayerSearch:
             self._acc_window = [0, 0]
             self._acc_baseline = None
             self.history.append({"step": self.steps, "converged": reason})
-
-
-def candidate_from_sets(attention: Sequence[int], mlp: Sequence[int]) -> Candidate:
-    return Candidate.of(attention, mlp)

@@ -424,24 +424,6 @@ class SelfSpecProposer:
         """Hand the controller the measured cost table (rank 0's on every TP rank)."""
         self._cost_feed.step(self._costs, self.controller)
 
-    @property
-    def step_cost_s(self) -> float | None:
-        """Median cost of one step (verification included) at the latest batch size, as
-        measured on this worker: the plain step when measured, else the cheapest measured."""
-        costs = self._costs.snapshot()
-        if not costs.verify:
-            return None
-        return costs.plain_cost(max(1, len(self._last_req_ids)))
-
-    @property
-    def draft_cost_s(self) -> float | None:
-        """Median cost of one draft forward over the latest batch's rows (this worker)."""
-        costs = self._costs.snapshot()
-        if not costs.draft:
-            return None
-        batch = max(1, len(self._last_req_ids))
-        return float(costs.draft_cost(batch, batch))
-
     def _maybe_log(self) -> None:
         now = time.monotonic()
         if now < self._next_log:

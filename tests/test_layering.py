@@ -1,0 +1,115 @@
+"""The package's layering: the algorithm core imports no vLLM, and module imports form no cycle.
+
+The core (settings and profile schema, draft-length control, step costs, source choice, the
+online and offline layer-set searches) must stay unit-testable without an engine: it may not
+import vLLM (nor torch), not even inside a function. The import graph of the package's modules at
+module level must be acyclic (imports inside functions are how the plugin defers vLLM's import
+cost, and are not counted). Both checks read the sources (``ast``), so they cost milliseconds, and
+each has a negative control on a synthetic graph.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "vllm_selfspec"
+CORE = (
+    "vllm_selfspec.config",
+    "vllm_selfspec.controller",
+    "vllm_selfspec.errors",
+    "vllm_selfspec.lookup",
+    "vllm_selfspec.online_search",
+    "vllm_selfspec.profiles",
+    "vllm_selfspec.spec_metrics",
+    "vllm_selfspec.step_costs",
+    "vllm_selfspec.search.optimize",
+    "vllm_selfspec.search.output",
+)
+FORBIDDEN_IN_CORE = ("vllm", "torch")
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def _imported(tree: ast.Module, module_level_only: bool) -> set[str]:
+    """Dotted names a module imports (``from a import b`` gives ``a`` and ``a.b``)."""
+    nodes = tree.body if module_level_only else list(ast.walk(tree))
+    names: set[str] = set()
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """Module-level imports between the package's own modules."""
+    return {
+        name: {
+            n for n in _imported(ast.parse(path.read_text()), True) if n in modules and n != name
+        }
+        for name, path in modules.items()
+    }
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of ``graph`` (its modules in order, the first repeated), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)) is not None:
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)) is not None:
+            return cycle
+    return None
+
+
+def forbidden_imports(source: str) -> set[str]:
+    """The top-level packages of FORBIDDEN_IN_CORE that ``source`` imports anywhere."""
+    tops = {name.split(".")[0] for name in _imported(ast.parse(source), False)}
+    return tops & set(FORBIDDEN_IN_CORE)
+
+
+def test_core_modules_exist() -> None:
+    assert set(CORE) <= set(_modules()), set(CORE) - set(_modules())
+
+
+@pytest.mark.parametrize("module", CORE)
+def test_core_imports_no_vllm(module: str) -> None:
+    assert forbidden_imports(_modules()[module].read_text()) == set()
+
+
+def test_package_imports_have_no_cycle() -> None:
+    assert find_cycle(import_graph(_modules())) is None
+
+
+def test_checks_catch_what_they_guard() -> None:
+    """Negative controls: a lazy vLLM import in a core module and a three-module cycle."""
+    lazy = "def f():\n    from vllm.config import VllmConfig\n    import torch.nn\n"
+    assert forbidden_imports(lazy) == {"vllm", "torch"}
+    assert forbidden_imports("import numpy\nfrom vllm_selfspec import errors\n") == set()
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert find_cycle(graph) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
