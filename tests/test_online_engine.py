@@ -118,14 +118,26 @@ def test_scoring_passes_leave_the_kv_cache_untouched(first_run):
     assert stats["kv_check_failures"] == 0
 
 
-def test_converges_to_the_zero_output_layers(online, profile_path, reference):
+def _zero_output_only(attention: list[int], mlp: list[int]) -> bool:
+    """A non-empty set of zero-output sub-layers only: drafting with it is exact."""
+    return bool(attention or mlp) and set(attention) <= set(ZERO) and set(mlp) <= set(ZERO)
+
+
+def test_converges_to_the_zero_output_layers(drafter, online, profile_path, reference):
     for _ in range(6):
         stats = _online_stats(online)[0]
         if stats["state"] == "converged":
             break
         _greedy(online)
     assert stats["state"] == "converged", stats
-    assert stats["skip_attention"] == ZERO and stats["skip_mlp"] == ZERO, stats
+    if drafter == "host":
+        assert stats["skip_attention"] == ZERO and stats["skip_mlp"] == ZERO, stats
+    else:
+        # The device drafter's search scores other windows (it plans before vLLM's bookkeeping,
+        # so its windows end one token earlier) and takes another path: in one CI run it
+        # settled its budget at 3 and converged on patience at attention [2, 5], MLP [2]
+        # (matchness 1.0), in the runs here on all four. Any exact set is a correct answer.
+        assert _zero_output_only(stats["skip_attention"], stats["skip_mlp"]), stats
     assert stats["matchness"] == 1.0
     # drafting with the found set: drafts are made and, the skipped sub-layers adding exactly
     # zero, every one of them is accepted
@@ -137,7 +149,8 @@ def test_converges_to_the_zero_output_layers(online, profile_path, reference):
     from vllm_selfspec.profiles import load_profile
 
     profile = load_profile(profile_path)
-    assert list(profile.skip_attention) == ZERO and list(profile.skip_mlp) == ZERO
+    assert list(profile.skip_attention) == stats["skip_attention"]
+    assert list(profile.skip_mlp) == stats["skip_mlp"]
     with open(profile_path) as f:
         assert json.load(f)["provenance"]["converged_reason"]
 
@@ -187,7 +200,8 @@ def test_device_drafter_compiles_the_set_it_settles_on():
             if stats["online"]["state"] == "converged":
                 break
         assert stats["online"]["state"] == "converged", stats["online"]
-        assert stats["skip_attention"] == ZERO and stats["skip_mlp"] == ZERO, stats
+        # an exact set (see test_converges_to_the_zero_output_layers on the device's path)
+        assert _zero_output_only(stats["skip_attention"], stats["skip_mlp"]), stats
         window = MetricsWindow(llm)
         assert _greedy(llm) == expected
         drafted = window.delta()
