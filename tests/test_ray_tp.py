@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from vllm_selfspec.testing.serve import removing_leaked_shm
+
 pytest.importorskip("ray")
 pytestmark = pytest.mark.engine
 
@@ -36,7 +38,7 @@ def _run(model_dir, out: Path, *extra: str, env: dict[str, str] | None = None) -
     cmd = [sys.executable, "-m", "tests.ray_engine_run", "--model", str(model_dir),
            "--out", str(out), *extra]
     log = out.with_suffix(".log")
-    with open(log, "wb") as f:
+    with open(log, "wb") as f, removing_leaked_shm():
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
                                 env={**os.environ, **(env or {})}, start_new_session=True)
         try:

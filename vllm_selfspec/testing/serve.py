@@ -229,3 +229,30 @@ def metric_value(metrics: dict[str, Any], name: str, **labels: str) -> float:
     """Sum of the samples of ``name`` whose labels include ``labels`` (KeyError if absent)."""
     samples = metrics[name]
     return sum(v for lab, v in samples if all(lab.get(k) == x for k, x in labels.items()))
+
+
+SHM_DIR = Path("/dev/shm")
+# vLLM's CPU TP communicator ("<port>-tp:0-[0-1]-cpushm_<rank>") and its shared-memory message
+# queues ("psm_<hex>", Python's multiprocessing.shared_memory): a process killed before it shuts
+# down leaves them behind, tmpfs pages held in RAM. A later engine whose distributed port happens
+# to match a stale communicator name fails at start ("create shm in SHMManager failed. errno: 17").
+_VLLM_SHM_MARKERS = ("cpushm", "psm_")
+
+
+@contextlib.contextmanager
+def removing_leaked_shm() -> Iterator[None]:
+    """Remove the vLLM shared-memory files that appear while the block runs and outlive it.
+
+    For blocks that run an engine in a process group they kill (Ray's actors are killed, not shut
+    down, when their driver exits). Only files created during the block are touched, so engines
+    that outlive it must not start inside it.
+    """
+    before = set(os.listdir(SHM_DIR)) if SHM_DIR.is_dir() else set()
+    try:
+        yield
+    finally:
+        if SHM_DIR.is_dir():
+            for name in set(os.listdir(SHM_DIR)) - before:
+                if any(marker in name for marker in _VLLM_SHM_MARKERS):
+                    with contextlib.suppress(FileNotFoundError):
+                        (SHM_DIR / name).unlink()
