@@ -161,3 +161,29 @@ def test_cap_zero_gets_no_lookup_drafts(dev, reference):
     [after] = drafter_stats(llm)
     assert window.delta()["num_draft_tokens"] == 0
     assert _delta(before, after, "lookup_rows") == 0 and _delta(before, after, "draft_passes") == 0
+
+
+def test_tensor_parallel_2_hybrid_greedy_identical(model_dir, reference):
+    """TP=2, hybrid drafts with the machine's own step costs (not pinned): each rank finds the
+    same lookups in its copy of the token ids and chooses between them and layer-skip drafts by
+    rank 0's step costs, so both ranks run the same passes; the output is the plain TP=1 one."""
+    from tests.engine_utils import env
+
+    tp = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
+    # one core per rank (vLLM's CPU TP needs explicit thread binding on this kind of machine)
+    with env(VLLM_CPU_OMP_THREADS_BIND="0|1"), engine(
+        model_dir, _spec(CONFIGS["hybrid"]), max_model_len=MAX_MODEL_LEN, **tp, **EXT
+    ) as llm:
+        assert _generate(llm, _workloads()["batch"]) == reference["batch"]
+        ranks = drafter_stats(llm)
+    assert len(ranks) == 2
+    # the same counters and plans on both ranks (the times each rank measured are its own)
+    same = [{k: v for k, v in r.items() if not k.endswith("_s")} for r in ranks]
+    assert same[0] == same[1], ranks
+    stats = ranks[0]
+    assert stats["lookup_tokens"] > 0 and stats["lookup_accepted"] > 0, stats
+    assert stats["draft_passes"] > 0 and stats["draft_tokens"] > stats["lookup_tokens"], stats
+    print(f"TP=2 hybrid: {stats['lookup_tokens']} lookup draft tokens "
+          f"({stats['lookup_accepted']} accepted), "
+          f"{stats['draft_tokens'] - stats['lookup_tokens']} layer-skip, "
+          f"{stats['draft_passes']} passes")
