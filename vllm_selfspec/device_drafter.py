@@ -66,15 +66,8 @@ from vllm.v1.spec_decode.draft_model import DraftModelProposer
 from vllm_selfspec.config import SelfSpecSettings
 from vllm_selfspec.controller import DraftLengthController, running_request_overrides
 from vllm_selfspec.cost_feed import CostFeed
+from vllm_selfspec.engine_markers import ADDITIONAL_CONFIG_KEY
 from vllm_selfspec.lookup import LOOKUP_MIN_GAIN, LookupAcceptance, lookup_length
-from vllm_selfspec.patches import (
-    ADDITIONAL_CONFIG_KEY,
-    patch_runner_cpu_discarded_generators,
-    patch_runner_input_fits_in_drafter,
-    patch_runner_propose_without_drafts,
-    patch_runner_sample_without_drafts,
-    patch_runner_take_draft_token_ids,
-)
 from vllm_selfspec.prompt_lookup import valid_sampled
 from vllm_selfspec.skip_forward import LayerSkipForward, decoder_stack
 from vllm_selfspec.step_costs import StepCostRecorder
@@ -210,16 +203,8 @@ class SelfSpecDeviceProposer(DraftModelProposer):
         self._explorer: SelfDraftModel | None = None
         self._compiled: dict[tuple[frozenset[int], frozenset[int]], SelfDraftModel] = {}
         self._handed_lookup: set[str] = set()
-        if runner is not None:
-            patch_runner_input_fits_in_drafter(runner)
-            patch_runner_cpu_discarded_generators(runner)
-            patch_runner_take_draft_token_ids(runner, self.trim)
-            patch_runner_propose_without_drafts(
-                runner,
-                self.plan_before_preparation,
-                self._see_sampled if self._lookup is not None else None,
-            )
-            patch_runner_sample_without_drafts(runner, self._count_plain_sampled)
+        # the runner that built this drafter gets its instance patches from
+        # patches._patch_runner_init once its constructor returns (they call into this drafter)
         logger.info("selfspec device drafter: %s, k=%d", self.settings.describe(), self.k_max)
 
     # --- model ------------------------------------------------------------------------------
@@ -365,6 +350,11 @@ class SelfSpecDeviceProposer(DraftModelProposer):
     def _see_sampled(self, sampled_token_ids: torch.Tensor) -> None:
         self._sampled = sampled_token_ids
 
+    def sampled_token_observer(self) -> Any:
+        """What the runner hands each step's sampled tokens to before the plan (prompt lookup
+        reads them), or None when this drafter does not look anything up."""
+        return self._see_sampled if self._lookup is not None else None
+
     def _find_lookups(self, req_ids: list[str], discarded: list[bool]) -> dict[str, list[int]]:
         """This step's prompt-lookup drafts, by request (none without ``drafts`` lookup/hybrid)."""
         sampled, self._sampled = self._sampled, None
@@ -380,7 +370,7 @@ class SelfSpecDeviceProposer(DraftModelProposer):
         )
         return {req_ids[row]: tokens for row, tokens in found.items()}
 
-    def _count_plain_sampled(self) -> None:
+    def count_plain_sampled(self) -> None:
         self.counters["plain_sampled"] += 1
 
     def _no_pass(self, batch_size: int) -> torch.Tensor:

@@ -10,6 +10,7 @@ import logging
 from typing import Any
 
 from vllm_selfspec.config import SELFSPEC_KEYS, resolve_settings
+from vllm_selfspec.engine_markers import PROPOSER_PATH
 from vllm_selfspec.errors import SelfSpecConfigError
 from vllm_selfspec.profiles import ModelFingerprint
 
@@ -73,7 +74,6 @@ def rewrite_selfspec_request(
         settings.draft_sampling,
         settings.layer_selection,
     )
-    from vllm_selfspec.patches import PROPOSER_PATH
 
     if settings.drafter == "device":
         from vllm.platforms import current_platform

@@ -50,6 +50,8 @@ from typing import Any
 from prometheus_client import REGISTRY, Counter, Gauge
 from vllm.v1.metrics.loggers import AggregateStatLoggerBase
 
+from vllm_selfspec.engine_markers import is_selfspec_config, wants_device_drafter
+
 logger = logging.getLogger("vllm.selfspec.metrics")
 
 PREFIX = "vllm:selfspec_"
@@ -197,7 +199,6 @@ def install() -> None:
 
     def __init__(self, vllm_config, *args, **kwargs):
         original(self, vllm_config, *args, **kwargs)
-        from vllm_selfspec.patches import is_selfspec_config, wants_device_drafter
 
         spec = getattr(vllm_config, "speculative_config", None)
         if not (is_selfspec_config(spec) or wants_device_drafter(vllm_config)):

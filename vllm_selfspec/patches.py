@@ -80,15 +80,20 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from vllm_selfspec.engine_markers import (  # noqa: F401  (re-exported: patches' public names)
+    ADDITIONAL_CONFIG_KEY,
+    METHOD_NAME,
+    PROPOSER_PATH,
+    is_selfspec_config,
+    wants_device_drafter,
+)
+
 if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger("vllm.selfspec.patches")
 
 SUPPORTED_VLLM = (">=0.32", "<0.34")
-METHOD_NAME = "selfspec"
-PROPOSER_PATH = "vllm_selfspec.proposer.SelfSpecProposer"
-ADDITIONAL_CONFIG_KEY = "selfspec"
 
 _SENTINEL = "_vllm_selfspec_patched"
 # Test-only switch: leave vLLM's lookahead at 0 to show that the drafter's KV-bounds check fires.
@@ -120,15 +125,6 @@ def check_vllm_version(version: str | None = None) -> str | None:
         f"vllm-selfspec supports vLLM {','.join(SUPPORTED_VLLM)}, but vLLM {version} is installed; "
         "install a supported vLLM (CPU: pip install 'vllm-selfspec[cpu]', "
         "GPU: pip install 'vllm-selfspec[cuda]')"
-    )
-
-
-def is_selfspec_config(speculative_config: Any) -> bool:
-    """True for a vLLM ``SpeculativeConfig`` that runs our proposer."""
-    return (
-        speculative_config is not None
-        and getattr(speculative_config, "method", None) == "custom_class"
-        and getattr(speculative_config, "model", None) == PROPOSER_PATH
     )
 
 
@@ -473,17 +469,6 @@ def _patch_async_generate_validation() -> None:
 _RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
 
 
-def wants_device_drafter(vllm_config: Any) -> bool:
-    """True for an engine configured by selfspec for its device drafter."""
-    spec = getattr(vllm_config, "speculative_config", None)
-    settings = (getattr(vllm_config, "additional_config", None) or {}).get(ADDITIONAL_CONFIG_KEY)
-    return (
-        getattr(spec, "method", None) == "draft_model"
-        and isinstance(settings, Mapping)
-        and settings.get("drafter") == "device"
-    )
-
-
 def install_device_drafter() -> None:
     """Patch the runner now if its module is imported, else right after its first import (the
     plugin entry point stays cheap: nothing of vLLM's worker is imported for it)."""
@@ -539,14 +524,27 @@ def _patch_runner_init(module: Any) -> None:
             original(self, vllm_config, *args, **kwargs)
         finally:
             module.DraftModelProposer = vllm_class
-        if not isinstance(getattr(self, "drafter", None), SelfSpecDeviceProposer):
+        drafter = getattr(self, "drafter", None)
+        if not isinstance(drafter, SelfSpecDeviceProposer):
             raise RuntimeError(
                 "selfspec: vLLM's model runner did not build the device drafter (this vLLM "
                 "version builds its draft-model proposer elsewhere); use drafter 'host'"
             )
+        _patch_device_drafter_runner(self, drafter)
 
     setattr(__init__, _SENTINEL, True)
     cls.__init__ = __init__
+
+
+def _patch_device_drafter_runner(runner: Any, drafter: Any) -> None:
+    """The instance patches of a runner that built the device drafter (each below says why)."""
+    patch_runner_input_fits_in_drafter(runner)
+    patch_runner_cpu_discarded_generators(runner)
+    patch_runner_take_draft_token_ids(runner, drafter.trim)
+    patch_runner_propose_without_drafts(
+        runner, drafter.plan_before_preparation, drafter.sampled_token_observer()
+    )
+    patch_runner_sample_without_drafts(runner, drafter.count_plain_sampled)
 
 
 def patch_runner_take_draft_token_ids(runner: Any, trim: Any) -> None:
