@@ -5,6 +5,9 @@ Each decoder family (greedy, sampled, TP=2, sliding windows) is in tests/test_ar
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 
 from tests.engine_utils import MetricsWindow, drafter_stats, engine, env, token_ids
@@ -107,6 +110,27 @@ def test_bare_method_selfspec_works():
     assert stats["k_max"] == DEFAULT_NUM_SPECULATIVE_TOKENS
 
 
+@contextlib.contextmanager
+def _engine_core_here_without_lookahead() -> Iterator[None]:
+    """Engines started inside run their engine core (the scheduler) in this process
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``; the worker is still a process of its own), where
+    ``VllmConfig.num_lookahead_tokens`` is vLLM's own property again (0 for custom proposers)
+    instead of patch 2's, so the scheduler reserves no lookahead slots."""
+    import vllm.envs
+    from vllm.config import VllmConfig
+
+    patched = VllmConfig.__dict__["num_lookahead_tokens"]
+    VllmConfig.num_lookahead_tokens = patched.fget.__wrapped__
+    try:
+        with env(VLLM_ENABLE_V1_MULTIPROCESSING="0"):
+            yield
+    finally:
+        VllmConfig.num_lookahead_tokens = patched
+        # an engine core caches vLLM's environment variables for its whole process
+        # (vllm.envs.enable_envs_cache): engines started later must read the environment again
+        vllm.envs.disable_envs_cache()
+
+
 def test_kv_bounds_check_fires_without_lookahead_reservation():
     """Without the lookahead patch the scheduler under-allocates and the drafter must clip.
 
@@ -118,10 +142,8 @@ def test_kv_bounds_check_fires_without_lookahead_reservation():
     with engine(model_dir, block_size=32) as llm:
         reference = _greedy(llm, max_tokens=150)
     spec = {"method": "selfspec", "skip_mlp": [5], "num_speculative_tokens": 8, "adaptive": False}
-    with (
-        env(VLLM_SELFSPEC_TEST_DISABLE_LOOKAHEAD="1"),
-        engine(model_dir, spec, block_size=32) as llm,
-    ):
+    with _engine_core_here_without_lookahead(), engine(model_dir, spec, block_size=32) as llm:
+        assert llm.llm_engine.vllm_config.num_lookahead_tokens == 0  # the premise
         assert _greedy(llm, max_tokens=150) == reference
         stats = drafter_stats(llm)[0]
     assert stats["kv_overflow_clips"] > 0, stats

@@ -13,7 +13,8 @@ import json
 import pytest
 
 from tests.engine_utils import MetricsWindow, drafter_stats, engine, env, token_ids
-from tests.pinned_costs import PINNED_COSTS_EXTENSION, pin_step_costs
+from tests.online_kv_probe import ONLINE_KV_PROBE_EXTENSION
+from tests.pinned_costs import pin_step_costs
 
 pytestmark = pytest.mark.engine
 
@@ -82,7 +83,7 @@ def online(drafter, profile_path, reference):
     # tiny model follows the machine's timings, and the asserts below need the engine to draft
     # wherever acceptance says so
     with engine(_zero_model(), {**_spec(drafter), "online_profile_out": profile_path},
-                worker_extension_cls=PINNED_COSTS_EXTENSION) as llm:
+                worker_extension_cls=ONLINE_KV_PROBE_EXTENSION) as llm:
         pin_step_costs(llm)
         yield llm
 
@@ -97,7 +98,8 @@ def first_run(online):
     assert online.collective_rpc("selfspec_online_arm_kv_check", args=(3,)) == [True]
     window = MetricsWindow(online)
     outputs = _greedy(online)
-    return outputs, _online_stats(online)[0], window.delta()
+    [checks] = online.collective_rpc("selfspec_online_kv_checks")
+    return outputs, {**_online_stats(online)[0], "kv_checks": checks}, window.delta()
 
 
 def test_greedy_identical_while_searching(online, first_run, reference):
@@ -114,8 +116,8 @@ def test_greedy_identical_while_searching(online, first_run, reference):
 
 def test_scoring_passes_leave_the_kv_cache_untouched(first_run):
     _, stats, _ = first_run
-    assert stats["kv_checks"] == 3
-    assert stats["kv_check_failures"] == 0
+    checks, failures = stats["kv_checks"]
+    assert checks == 3 and failures == 0
 
 
 def _zero_output_only(attention: list[int], mlp: list[int]) -> bool:
@@ -159,12 +161,11 @@ def test_converges_to_the_zero_output_layers(drafter, online, profile_path, refe
 def test_kv_check_detects_writes(kind):
     """Negative control for the KV check: scoring with real slots overwrites verified K/V."""
     spec = _spec(kind, min_tokens=2, candidates_per_step=1)
-    with engine(_zero_model(), spec) as llm:
+    with engine(_zero_model(), spec, worker_extension_cls=ONLINE_KV_PROBE_EXTENSION) as llm:
         assert llm.collective_rpc("selfspec_online_arm_kv_check", args=(2, True)) == [True]
         _greedy(llm, max_tokens=16)
-        stats = _online_stats(llm)[0]
-    assert stats["kv_checks"] >= 1
-    assert stats["kv_check_failures"] >= 1
+        [(checks, failures)] = llm.collective_rpc("selfspec_online_kv_checks")
+    assert checks >= 1 and failures >= 1
 
 
 @pytest.mark.parametrize("kind", DRAFTERS)

@@ -123,8 +123,6 @@ class OnlineSelector:
         self._pass_s: float | None = None
         self._verify_s: float | None = None
         self._draft_s: float | None = None
-        self._kv_checks_left = 0
-        self._kv_write_slots = False
         self._announced_convergence = False
         self._finalizer: Any = None
 
@@ -287,23 +285,10 @@ class OnlineSelector:
             "targets": targets,
         }
 
-    def arm_kv_check(self, count: int, write_slots: bool = False) -> None:
-        """Test hook: compare the whole paged KV cache byte for byte before and after the next
-        ``count`` scoring steps (``kv_checks`` / ``kv_check_failures`` in :meth:`stats`).
-        ``write_slots=True`` (a negative control that corrupts the cache) scores with the real
-        slots instead of -1, so the check must then fail."""
-        self._kv_checks_left = int(count)
-        self._kv_write_slots = bool(write_slots)
-        self.counters.setdefault("kv_checks", 0)
-        self.counters.setdefault("kv_check_failures", 0)
-
     def _score(self, window: dict[str, Any]) -> None:
         search = self.search
         assert search is not None
         candidates = search.next_candidates()
-        snapshot = None
-        if self._kv_checks_left > 0:
-            snapshot = [t.clone() for t in self.runner.kv_caches]
         t0 = time.perf_counter()
         emitted = torch.from_numpy(window["targets"]).to(self.runner.device)
         # Targets: the full model's argmax under the same attention as the candidates (no
@@ -315,7 +300,7 @@ class OnlineSelector:
         self.counters["reference_hits"] += int((targets == emitted).sum().item())
         self.counters["reference_positions"] += positions
         for cand in candidates:
-            logits = score_forward(self._run, window, cand, write_slots=self._kv_write_slots)
+            logits = score_forward(self._run, window, cand)
             hits = int((logits.argmax(dim=-1) == targets).sum().item())
             self.counters["passes"] += 1
             self.counters["scored_positions"] += positions
@@ -323,14 +308,6 @@ class OnlineSelector:
         if candidates:
             per_step = time.perf_counter() - t0
             self._pass_s = _ema(self._pass_s, per_step, 0.2)
-        if snapshot is not None:
-            self._kv_checks_left -= 1
-            self.counters["kv_checks"] += 1
-            after = self.runner.kv_caches
-            if len(after) != len(snapshot) or not all(
-                torch.equal(a, b) for a, b in zip(snapshot, after, strict=True)
-            ):
-                self.counters["kv_check_failures"] += 1
 
     def _on_converged(self) -> None:
         assert self.search is not None
@@ -433,14 +410,11 @@ def _write_at_exit(ref: weakref.ref) -> None:
         logger.warning("selfspec online: could not write the profile at exit: %s", exc)
 
 
-def score_forward(
-    run: Any, window: dict[str, Any], cand: Candidate, write_slots: bool = False
-) -> torch.Tensor:
+def score_forward(run: Any, window: dict[str, Any], cand: Candidate) -> torch.Tensor:
     """Logits ``[tokens, vocab]`` of a draft-mode forward with skip set ``cand`` over ``window``,
     teacher-forced, reading the paged cache and writing no KV (slot -1 everywhere). ``run`` is
-    :func:`~vllm_selfspec.batch_forward.skip_model_logits` bound to the runner and the target.
-    ``write_slots`` (tests only) uses the positions' real slots instead, i.e. overwrites the
-    verified K/V of the window with the draft's."""
+    :func:`~vllm_selfspec.batch_forward.skip_model_logits` bound to the runner and the target
+    (``tests/online_kv_probe.py`` checks, byte for byte, that the paged cache is untouched)."""
     rows: np.ndarray = window["rows"]
     lengths: np.ndarray = window["lengths"]
     positions: np.ndarray = window["positions"]
@@ -463,5 +437,5 @@ def score_forward(
         max_query_len=int(lengths.max()),
         skip_attention=cand.attention,
         skip_mlp=cand.mlp,
-        write_kv=write_slots,
+        write_kv=False,
     )

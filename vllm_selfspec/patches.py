@@ -75,7 +75,6 @@ import functools
 import importlib.abc
 import importlib.util
 import logging
-import os
 import sys
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -96,8 +95,6 @@ logger = logging.getLogger("vllm.selfspec.patches")
 SUPPORTED_VLLM = (">=0.32", "<0.34")
 
 _SENTINEL = "_vllm_selfspec_patched"
-# Test-only switch: leave vLLM's lookahead at 0 to show that the drafter's KV-bounds check fires.
-_TEST_DISABLE_LOOKAHEAD = "VLLM_SELFSPEC_TEST_DISABLE_LOOKAHEAD"
 _applied = False
 
 
@@ -142,8 +139,7 @@ def apply_patches() -> None:
         _patch_create_speculative_config(unsupported=problem)
         return
     _patch_create_speculative_config()
-    if os.environ.get(_TEST_DISABLE_LOOKAHEAD) != "1":
-        _patch_num_lookahead_tokens()
+    _patch_num_lookahead_tokens()
     _patch_cpu_expand_batch_to_tokens()
     _patch_cpu_empty_top_k_only()
     _install_metrics(only_if_imported=True)
@@ -201,6 +197,7 @@ def _patch_num_lookahead_tokens() -> None:
         return original.fget(self)
 
     setattr(num_lookahead_tokens, _SENTINEL, True)
+    num_lookahead_tokens.__wrapped__ = original  # type: ignore[attr-defined]  (vLLM's property)
     VllmConfig.num_lookahead_tokens = property(num_lookahead_tokens, doc=original.__doc__)
 
 

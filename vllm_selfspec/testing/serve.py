@@ -244,15 +244,39 @@ def removing_leaked_shm() -> Iterator[None]:
     """Remove the vLLM shared-memory files that appear while the block runs and outlive it.
 
     For blocks that run an engine in a process group they kill (Ray's actors are killed, not shut
-    down, when their driver exits). Only files created during the block are touched, so engines
-    that outlive it must not start inside it.
+    down, when their driver exits). Only files created during the block and neither open nor
+    mapped by a live process are removed (other engines on the machine keep theirs).
     """
     before = set(os.listdir(SHM_DIR)) if SHM_DIR.is_dir() else set()
     try:
         yield
     finally:
         if SHM_DIR.is_dir():
-            for name in set(os.listdir(SHM_DIR)) - before:
-                if any(marker in name for marker in _VLLM_SHM_MARKERS):
-                    with contextlib.suppress(FileNotFoundError):
-                        (SHM_DIR / name).unlink()
+            new = {
+                name
+                for name in set(os.listdir(SHM_DIR)) - before
+                if any(marker in name for marker in _VLLM_SHM_MARKERS)
+            }
+            for name in new - _shm_in_use() if new else ():
+                with contextlib.suppress(FileNotFoundError):
+                    (SHM_DIR / name).unlink()
+
+
+def _shm_in_use() -> set[str]:
+    """Names of the files under /dev/shm that a live process has open or mapped."""
+    used: set[str] = set()
+    prefix = f"{SHM_DIR}/"
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{pid}/maps") as maps:
+                for line in maps:
+                    at = line.find(prefix)
+                    if at >= 0:
+                        used.add(line[at + len(prefix):].split()[0])
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if target.startswith(prefix):
+                        used.add(target[len(prefix):].split()[0])
+    return used
