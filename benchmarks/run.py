@@ -285,6 +285,10 @@ def build_suite(name: str) -> Suite:
             Group("smollm2", [Method("ngram", spec=NGRAM)], label="SmolLM2, its shipped profile"),
             Group("smollm2", [Method("selfspec layer skip", spec=_selfspec(True, **device))],
                   label="SmolLM2, its shipped profile"),
+            # the hybrid's lookup source alone, under the same controller (against ngram: what
+            # the source choice and the lookup cut cost or gain)
+            Group("smollm2", [Method("selfspec lookup", spec=_selfspec(
+                True, drafts="lookup", **lookup, **device))], label="SmolLM2, its shipped profile"),
         ]
         return Suite(name=name, groups=groups, datasets=["humaneval", "mtbench"],
                      temperatures=[0.0, 0.7], batches=[1, 8, 32], reps=5, max_tokens=48,
