@@ -112,23 +112,26 @@ def test_bare_method_selfspec_works():
 
 @contextlib.contextmanager
 def _engine_core_here_without_lookahead() -> Iterator[None]:
-    """Engines started inside run their engine core (the scheduler) in this process
-    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``; the worker is still a process of its own), where
-    ``VllmConfig.num_lookahead_tokens`` is vLLM's own property again (0 for custom proposers)
-    instead of patch 2's, so the scheduler reserves no lookahead slots."""
-    import vllm.envs
+    """Engines started inside run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: engine
+    core and its one worker), where ``VllmConfig.num_lookahead_tokens`` is vLLM's own property
+    again (0 for custom proposers) instead of patch 2's, so the scheduler reserves no lookahead
+    slots. Afterwards the process is put back for the engines of later tests: patch 2, vLLM's
+    test clean-up (environment-variable cache, distributed state) and ``torch.set_num_threads``
+    (vLLM's CPU worker replaces it in its process)."""
+    import torch
     from vllm.config import VllmConfig
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
     patched = VllmConfig.__dict__["num_lookahead_tokens"]
+    set_num_threads = torch.set_num_threads
     VllmConfig.num_lookahead_tokens = patched.fget.__wrapped__
     try:
         with env(VLLM_ENABLE_V1_MULTIPROCESSING="0"):
             yield
     finally:
         VllmConfig.num_lookahead_tokens = patched
-        # an engine core caches vLLM's environment variables for its whole process
-        # (vllm.envs.enable_envs_cache): engines started later must read the environment again
-        vllm.envs.disable_envs_cache()
+        cleanup_dist_env_and_memory()
+        torch.set_num_threads = set_num_threads
 
 
 def test_kv_bounds_check_fires_without_lookahead_reservation():
