@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from vllm_selfspec.step_costs import bucket
+from vllm_selfspec.control.step_costs import bucket
 
 
 def expected_tokens(a: float, k: int) -> float:

@@ -212,10 +212,10 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
 def _model_and_prompts(p: dict[str, Any]) -> tuple[str, list[str], list[str]]:
     """Model folder, chat-templated prompts (HumanEval and MT-bench alternating) and each
     prompt's dataset."""
-    from vllm_selfspec import assets
+    from vllm_selfspec.tools import assets
 
     if p["model"] == "tiny":
-        from vllm_selfspec.testing import tiny_model_dir
+        from tests.tiny_models import tiny_model_dir
 
         model = str(tiny_model_dir("bench-smoke", num_layers=4, hidden_size=128))
         texts = [f"Count from {i} to {i + 9}:" for i in range(p["prompts"])]

@@ -18,11 +18,11 @@ from typing import Any
 
 import psutil
 
-from vllm_selfspec.spec_metrics import counter_delta, read_spec_decode_counters
+from vllm_selfspec.tools.spec_decode_counters import counter_delta, read_spec_decode_counters
 
 __all__ = ["counter_delta", "read_spec_decode_counters"]
 
-WORKER_EXTENSION = "vllm_selfspec.worker_ext.SelfSpecWorkerExtension"
+WORKER_EXTENSION = "vllm_selfspec.plugin.worker_ext.SelfSpecWorkerExtension"
 
 
 class RssSampler:

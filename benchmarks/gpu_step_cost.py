@@ -14,7 +14,8 @@ llama-2-70b   8192    80 (40 built)  64     8   28672  32000   ``llama-2-70b.dra
 llama-3-8b    4096    32             32     8   14336  128256  depth default (no profile)
 ============  ======  =============  =====  ==  =====  ======  ============================
 
-The skip sets are the shipped profiles (``vllm_selfspec.profiles.load_profile``; stdlib-only, no
+The skip sets are the shipped profiles (``vllm_selfspec.layers.profiles.load_profile``;
+stdlib-only, no
 vLLM import). Llama-3-8B has no published skip set: it gets ``config.default_skip_set`` (the
 attention of a quarter of the layers, upper half). LLaMA-2-70B does not fit one GPU in bf16 with a
 KV cache, so 40 of its 80 layers are built and the full-depth costs are projected (below).
@@ -92,7 +93,7 @@ VERIFY_KS = (1, 2, 4, 8)
 def skip_sets(shape: Shape) -> tuple[list[int], list[int], str]:
     """(skip_attention, skip_mlp, where they come from) for the real depth of ``shape``."""
     if shape.profile:
-        from vllm_selfspec.profiles import load_profile
+        from vllm_selfspec.layers.profiles import load_profile
 
         prof = load_profile(shape.profile)
         if prof.model.num_hidden_layers != shape.layers:

@@ -38,7 +38,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllm_selfspec.spec_metrics import acceptance_rate, counter_delta, mean_accepted_length
+from vllm_selfspec.tools.spec_decode_counters import (
+    acceptance_rate,
+    counter_delta,
+    mean_accepted_length,
+)
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 K = 4
@@ -187,7 +191,8 @@ SELFSPEC_COUNTERS = ("selfspec_decode_request_steps", "selfspec_request_steps_dr
 
 def parse_server_spec_counters(metrics_text: str) -> dict[str, Any]:
     """vLLM's ``vllm:spec_decode_*`` counters from a server's ``/metrics`` text, in the shape of
-    :func:`vllm_selfspec.spec_metrics.read_spec_decode_counters` (``{}`` without spec decode),
+    :func:`vllm_selfspec.tools.spec_decode_counters.read_spec_decode_counters` (``{}`` without spec
+    decode),
     plus selfspec's request-step counters (``vllm:selfspec_*_total``) where the server has them:
     the controller's drafting-off share is their ratio."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -377,7 +382,7 @@ class OnlineRunner:
 
     def run(self) -> dict[str, Any]:
         from benchmarks.run import prompt_sets, resolve_model
-        from vllm_selfspec.testing.serve import (
+        from tests.api_server import (
             SERVED_MODEL_NAME,
             api_server,
             free_port,

@@ -100,14 +100,14 @@ def _model_and_prompts(p: dict[str, Any]) -> tuple[str, list[Any]]:
     if p["model"] == "tiny":
         from vllm.inputs import TokensPrompt
 
-        from vllm_selfspec.testing.tiny_models import tiny_model_dir
+        from tests.tiny_models import tiny_model_dir
 
         model = str(tiny_model_dir("bench-online", arch="llama", num_layers=4))
         prompts: list[Any] = [
             TokensPrompt(prompt_token_ids=[5 + i, 77, 301, 12 + i]) for i in range(n)
         ]
         return model, prompts
-    from vllm_selfspec import assets
+    from vllm_selfspec.tools import assets
 
     model = str(assets.smollm2_dir())
     he = assets.load_prompts("humaneval", (n + 1) // 2)
@@ -123,7 +123,7 @@ def run_method(name: str, spec: dict[str, Any] | None, model: str, prompts: Sequ
     from vllm import SamplingParams
 
     from benchmarks.engines import VllmEngine
-    from vllm_selfspec.spec_metrics import counter_delta
+    from vllm_selfspec.tools.spec_decode_counters import counter_delta
 
     engine = VllmEngine(name, model, spec, max_model_len=1024 if p["model"] != "tiny" else 192,
                         kv_cache_bytes=(512 << 20) if p["model"] != "tiny" else (1 << 27),

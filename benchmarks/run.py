@@ -108,7 +108,7 @@ SUFFIX = {"method": "suffix", "num_speculative_tokens": K}
 def good_skip_set() -> tuple[dict, str]:
     """The no-harm suite's good skip set: the searched SmolLM2 profile when it is shipped, else
     three attention sub-layers in the upper half."""
-    from vllm_selfspec import profiles
+    from vllm_selfspec.layers import profiles
 
     if SMOLLM2_PROFILE in profiles.shipped_profile_names():
         return {"profile": SMOLLM2_PROFILE}, f"profile {SMOLLM2_PROFILE}"
@@ -317,7 +317,7 @@ def build_suite(name: str) -> Suite:
 SUITES = ("cpu-smollm2", "cpu-qwen-coder", "cpu-zero", "no-harm", "sync-floor", "drafter-v2",
           "device-adaptive", "overhead-floor", "hybrid", "smoke")
 ONLINE_SUITE = "online"  # benchmarks/online.py: a server per method, `vllm bench serve`
-EMBEDDED_MODEL_NAMES = ("smollm2-135m", QWEN_CODER)  # vllm_selfspec.assets.EMBEDDED_MODELS
+EMBEDDED_MODEL_NAMES = ("smollm2-135m", QWEN_CODER)  # vllm_selfspec.tools.assets.EMBEDDED_MODELS
 _ZERO_SKIP: dict[str, Any] = {}  # filled by resolve_model("zero") (the inserted layers)
 
 
@@ -325,7 +325,7 @@ _ZERO_SKIP: dict[str, Any] = {}  # filled by resolve_model("zero") (the inserted
 
 def resolve_model(kind: str) -> str:
     """Model folder of a group's model kind (built and cached on first use)."""
-    from vllm_selfspec import assets
+    from vllm_selfspec.tools import assets
 
     if kind == "smollm2":
         return str(assets.smollm2_dir())
@@ -344,7 +344,7 @@ def resolve_model(kind: str) -> str:
         _ZERO_SKIP.update(skip_attention=zero, skip_mlp=zero)
         return str(out)
     if kind in ("tiny", "tiny-zero"):
-        from vllm_selfspec.testing import tiny_model_dir
+        from tests.tiny_models import tiny_model_dir
 
         if kind == "tiny":
             return str(tiny_model_dir("bench-smoke", num_layers=4, hidden_size=128))
@@ -387,7 +387,7 @@ def engine_spec(method: Method, model_dir: str, kind: str) -> dict | None:
 
 def prompt_sets(model_dir: str, datasets: list[str], n: int) -> dict[str, list[str]]:
     """``n`` chat-templated prompts per dataset (``mixed``: alternating HumanEval / MT-bench)."""
-    from vllm_selfspec import assets
+    from vllm_selfspec.tools import assets
 
     out = {}
     for ds in datasets:

@@ -66,7 +66,7 @@ def node_report(profile: str | None = None, load_plugin: bool = False) -> dict[s
         report["problems"].append("vLLM is not installed")
     if report["vllm_selfspec"] is not None:
         try:
-            from vllm_selfspec.patches import check_vllm_version
+            from vllm_selfspec.plugin.patches import check_vllm_version
 
             problem = check_vllm_version(report["vllm"] or "0") if report["vllm"] else None
             report["vllm_supported"] = problem is None
@@ -76,7 +76,7 @@ def node_report(profile: str | None = None, load_plugin: bool = False) -> dict[s
             report["problems"].append(f"cannot import vllm_selfspec: {exc!r}")
     if profile and report["vllm_selfspec"] is not None:
         try:
-            from vllm_selfspec.profiles import load_profile
+            from vllm_selfspec.layers.profiles import load_profile
 
             p = load_profile(profile)
             report["profile"] = {"name": profile, "skip_attention": list(p.skip_attention),

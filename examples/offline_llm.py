@@ -4,9 +4,9 @@
     python examples/offline_llm.py --model /path/to/model   # matching profile or default skip set
     python examples/offline_llm.py --model meta-llama/Llama-2-13b-hf \
         --profile llama-2-13b.draft-verify
-    python examples/offline_llm.py --tiny        # a tiny random model on CPU, no download
+    python examples/offline_llm.py --embedded    # SmolLM2-135M-Instruct from PyPI, on CPU
 
-Nothing to import from vllm_selfspec: vLLM loads the plugin through its entry point. The script
+Nothing else to import from vllm_selfspec: vLLM loads the plugin through its entry point. The script
 prints the outputs and vLLM's spec-decode counters (drafts, accepted tokens).
 """
 
@@ -18,7 +18,8 @@ import argparse
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", help="model folder or hub name")
-    ap.add_argument("--tiny", action="store_true", help="use a tiny random test model (CPU)")
+    ap.add_argument("--embedded", action="store_true",
+                    help="the embedded SmolLM2-135M-Instruct (a PyPI wheel; no model hub)")
     ap.add_argument("--profile", default=None, help="shipped profile name or profile JSON path")
     ap.add_argument("-k", "--num-speculative-tokens", type=int, default=6)
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -28,14 +29,13 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     model, extra = args.model, {}
-    if args.tiny:
-        from vllm_selfspec.testing.tiny_models import tiny_model_dir
+    if args.embedded:
+        from vllm_selfspec.tools.assets import smollm2_dir
 
-        model = str(tiny_model_dir("example-llama", arch="llama", num_layers=8))
-        extra = {"dtype": "float32", "enforce_eager": True, "max_model_len": 512,
-                 "kv_cache_memory_bytes": 1 << 28}  # on CPU: else 92% of RAM
+        model = str(smollm2_dir())
+        extra = {"max_model_len": 2048, "kv_cache_memory_bytes": 1 << 28}  # on CPU: else 92% of RAM
     if model is None:
-        ap.error("give --model or --tiny")
+        ap.error("give --model or --embedded")
 
     speculative_config = {"method": "selfspec",
                           "num_speculative_tokens": args.num_speculative_tokens}

@@ -10,7 +10,7 @@
 set -euo pipefail
 PY=${PYTHON:-python}
 if [ "${1:-}" = "--tiny" ]; then
-  MODEL=$("$PY" -c 'from vllm_selfspec.testing.tiny_models import tiny_model_dir; print(tiny_model_dir("example-llama", arch="llama", num_layers=8))')
+  MODEL=$("$PY" -c 'from tests.tiny_models import tiny_model_dir; print(tiny_model_dir("example-llama", arch="llama", num_layers=8))')
   EXTRA=(--dtype float32 --enforce-eager --max-model-len 512 --kv-cache-memory-bytes 268435456)
   SPEC='{"method": "selfspec", "num_speculative_tokens": 4, "skip_attention": [3, 5], "skip_mlp": [6]}'
   PORT=${2:-8000}

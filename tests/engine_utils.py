@@ -15,7 +15,7 @@ ENGINE_DEFAULTS: dict[str, Any] = {
     "kv_cache_memory_bytes": 1 << 27,
     "disable_log_stats": False,  # spec-decode counters need stats
     "seed": 0,
-    "worker_extension_cls": "vllm_selfspec.worker_ext.SelfSpecWorkerExtension",
+    "worker_extension_cls": "vllm_selfspec.plugin.worker_ext.SelfSpecWorkerExtension",
 }
 
 
@@ -45,7 +45,7 @@ def token_ids(outputs: Sequence[Any]) -> list[list[int]]:
 
 def spec_metrics(llm: Any) -> dict[str, Any]:
     """vLLM's own spec-decode counters (``vllm:spec_decode_*``), summed over engines."""
-    from vllm_selfspec.spec_metrics import read_spec_decode_counters
+    from vllm_selfspec.tools.spec_decode_counters import read_spec_decode_counters
 
     return read_spec_decode_counters(llm)
 

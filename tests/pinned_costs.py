@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_selfspec.worker_ext import SelfSpecWorkerExtension
+from vllm_selfspec.plugin.worker_ext import SelfSpecWorkerExtension
 
 PINNED_COSTS_EXTENSION = "tests.pinned_costs.PinnedCostsExtension"
 
@@ -22,7 +22,7 @@ def pinned_table(draft_ratio: float, verify_per_token: float) -> list[float]:
     """A cost table in ``StepCosts.to_flat`` form: a plain step 1, a draft forward
     ``draft_ratio`` plain steps, each draft token per request verified for ``verify_per_token``
     more, at every batch-size bucket from 1 to 64."""
-    from vllm_selfspec.step_costs import StepCosts
+    from vllm_selfspec.control.step_costs import StepCosts
 
     verify = {(1 << i, x): 1.0 + verify_per_token * x
               for i in range(7) for x in (0.0, 1.0, 2.0, 4.0, 8.0)}
@@ -50,9 +50,9 @@ class _PinnedRecorder:
 
 class PinnedCostsExtension(SelfSpecWorkerExtension):
     def selfspec_pin_step_costs(self, flat: list[float]) -> bool:
-        from vllm_selfspec.device_drafter import SelfSpecDeviceProposer
-        from vllm_selfspec.proposer import SelfSpecProposer
-        from vllm_selfspec.step_costs import StepCosts
+        from vllm_selfspec.control.step_costs import StepCosts
+        from vllm_selfspec.drafting.device_drafter import SelfSpecDeviceProposer
+        from vllm_selfspec.drafting.host_drafter import SelfSpecProposer
 
         drafter = getattr(self.model_runner, "drafter", None)
         if not isinstance(drafter, SelfSpecProposer | SelfSpecDeviceProposer):

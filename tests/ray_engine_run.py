@@ -15,7 +15,7 @@ import os
 import sys
 import time
 
-from vllm_selfspec.worker_ext import SelfSpecWorkerExtension
+from vllm_selfspec.plugin.worker_ext import SelfSpecWorkerExtension
 
 PROMPTS = [[5, 77, 301, 12], [9, 8, 7, 6, 5, 4, 3, 2, 1, 400, 401], [33] * 20, [100, 200, 300]]
 

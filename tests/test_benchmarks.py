@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import analysis, gpu_step_cost, run
-from vllm_selfspec.controller import best_draft_length
+from vllm_selfspec.control.controller import best_draft_length
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -212,8 +212,8 @@ def test_second_model_suite_compile_and_model_choice(capsys):
 
 
 def test_cold_start_spec_and_early_exit_layers():
+    from tests.tiny_models import tiny_model_dir
     from vllm_selfspec.config import default_skip_set
-    from vllm_selfspec.testing import tiny_model_dir
 
     model = str(tiny_model_dir("bench-smoke", num_layers=4, hidden_size=128))
     groups = run._real_model_groups("tiny", online=True)
@@ -283,7 +283,7 @@ def test_gpu_script_profiles_and_no_vllm():
 # ------------------------------------------- controller changes made for the no-harm benchmark
 
 def _ctl(**kw):
-    from vllm_selfspec.controller import ControllerConfig, DraftLengthController
+    from vllm_selfspec.control.controller import ControllerConfig, DraftLengthController
 
     kw.setdefault("explore_interval", 0)  # plain-step exploration has its own tests
     return DraftLengthController(ControllerConfig(k_max=4, probe_interval=4,
@@ -357,8 +357,8 @@ def test_wall_cost_ratio():
 
 
 def test_batch_aware_budget():
-    from vllm_selfspec.controller import ControllerConfig, DraftLengthController
-    from vllm_selfspec.step_costs import StepCosts
+    from vllm_selfspec.control.controller import ControllerConfig, DraftLengthController
+    from vllm_selfspec.control.step_costs import StepCosts
 
     # batch 32: a draft forward costs 0.2 plain steps, verification is free
     c = DraftLengthController(ControllerConfig(k_max=4, explore_interval=0))
@@ -382,8 +382,8 @@ def test_batch_aware_budget():
 
 
 def test_probe_interval_is_cost_aware():
-    from vllm_selfspec.controller import ControllerConfig, DraftLengthController
-    from vllm_selfspec.step_costs import StepCosts
+    from vllm_selfspec.control.controller import ControllerConfig, DraftLengthController
+    from vllm_selfspec.control.step_costs import StepCosts
 
     c = DraftLengthController(ControllerConfig(k_max=4, probe_interval=4,
                                                max_probe_interval=256, explore_interval=0))

@@ -19,7 +19,7 @@ from vllm_selfspec.config import (
     resolve_settings,
 )
 from vllm_selfspec.errors import ProfileError, SelfSpecConfigError
-from vllm_selfspec.profiles import DRAFT_KEYS, ModelFingerprint, Profile
+from vllm_selfspec.layers.profiles import DRAFT_KEYS, ModelFingerprint, Profile
 
 SMOL = ModelFingerprint("LlamaForCausalLM", 30, 576, 49152, name="HuggingFaceTB/SmolLM2-135M")
 UNPROFILED_30 = ModelFingerprint("LlamaForCausalLM", 30, 640, 50000, name="some/other-30-layer")
@@ -435,7 +435,7 @@ def test_settings_defaults_and_sorting() -> None:
 
 def test_import_is_light() -> None:
     code = (
-        "import sys, vllm_selfspec.config, vllm_selfspec.profiles; "
+        "import sys, vllm_selfspec.config, vllm_selfspec.layers.profiles; "
         "heavy = sorted(m for m in ('vllm', 'torch') if m in sys.modules); "
         "assert not heavy, heavy"
     )

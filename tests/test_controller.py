@@ -1,4 +1,4 @@
-"""Unit tests for vllm_selfspec.controller (pure Python, no vLLM needed)."""
+"""Unit tests for vllm_selfspec.control.controller (pure Python, no vLLM needed)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from vllm_selfspec.controller import (
+from vllm_selfspec.control.controller import (
     MAX_THRESHOLD,
     ControllerConfig,
     DraftLengthController,
@@ -16,7 +16,7 @@ from vllm_selfspec.controller import (
     expected_tokens,
     validate_request_overrides,
 )
-from vllm_selfspec.step_costs import StepCostRecorder, StepCosts, bucket
+from vllm_selfspec.control.step_costs import StepCostRecorder, StepCosts, bucket
 
 
 def make(k_max: int = 8, **kw) -> DraftLengthController:
@@ -602,7 +602,7 @@ def test_running_request_overrides_never_fail_a_request():
     ones (refused at arrival, so only reachable by a bypass) are left out with one warning."""
     from types import SimpleNamespace
 
-    from vllm_selfspec.controller import running_request_overrides
+    from vllm_selfspec.control.controller import running_request_overrides
 
     def state(extra):
         return SimpleNamespace(sampling_params=SimpleNamespace(extra_args=extra))

@@ -1,4 +1,4 @@
-"""The README's first command, ``python -m vllm_selfspec.demo``, on its real model.
+"""The README's first command, ``python -m vllm_selfspec.tools.demo``, on its real model.
 
 The demo runs as a subprocess, as the README runs it: SmolLM2-135M-Instruct from the PyPI wheel,
 converted once (cached; test_assets.py converts it first in a full run), real MT-bench and
@@ -37,7 +37,7 @@ PROFILES = Path(vllm_selfspec.__file__).parent / "profiles"
 def test_readme_demo_drafts_and_matches_plain(tmp_path):
     result_path = tmp_path / "demo.json"
     cmd = [
-        sys.executable, "-m", "vllm_selfspec.demo",
+        sys.executable, "-m", "vllm_selfspec.tools.demo",
         "--num-prompts", str(NUM_PROMPTS),
         "--max-tokens", str(MAX_TOKENS),
         "--repeats", "1",

@@ -1,7 +1,8 @@
 """End-to-end tests of the device drafter (``"drafter": "device"``) against plain vLLM decoding.
 
 The drafter runs on vLLM's own ``draft_model`` machinery with the target as its own draft model
-(see :mod:`vllm_selfspec.device_drafter`). Every test compares with a plain engine of the same
+(see :mod:`vllm_selfspec.drafting.device_drafter`). Every test compares with a plain engine of the
+same
 model: greedy outputs token-identical, drafts verified (and all accepted where the skip set is
 exact: the e2e-zero model's skipped sub-layers have zero output projections).
 
@@ -37,7 +38,7 @@ def _spec(cfg: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def model_dir():
-    from vllm_selfspec.testing.tiny_models import tiny_model_dir
+    from tests.tiny_models import tiny_model_dir
 
     return tiny_model_dir("e2e-zero", arch="llama", num_layers=8, zero_output_layers=ZERO_LAYERS)
 

@@ -57,7 +57,7 @@ EXPECT_ACCEPTED = {ADAPTIVE, "none,k4,fixed"}
 
 @pytest.fixture(scope="module")
 def model_dir():
-    from vllm_selfspec.testing.tiny_models import tiny_model_dir
+    from tests.tiny_models import tiny_model_dir
 
     return tiny_model_dir(
         "e2e-zero", arch="llama", num_layers=NUM_LAYERS, zero_output_layers=ZERO_LAYERS
@@ -71,7 +71,7 @@ def workloads(model_dir):
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from vllm_selfspec.testing.tiny_models import tokenizer_corpus
+    from tests.tiny_models import tokenizer_corpus
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     ids: list[int] = []

@@ -27,7 +27,7 @@ def _greedy(llm, max_tokens=40):
 
 
 def _tiny(name, **kw):
-    from vllm_selfspec.testing.tiny_models import tiny_model_dir
+    from tests.tiny_models import tiny_model_dir
 
     return tiny_model_dir(name, **kw)
 

@@ -109,7 +109,7 @@ DEVICE_FAULTS = {"temperature": "t0.7"}
 
 @pytest.fixture(scope="module")
 def model_dir():
-    from vllm_selfspec.testing.tiny_models import tiny_model_dir
+    from tests.tiny_models import tiny_model_dir
 
     return tiny_model_dir("e2e-llama", arch="llama", num_layers=8)
 
@@ -140,7 +140,7 @@ def _sample_drafting(
 ) -> tuple[np.ndarray, dict]:
     """Samples and the spec-decode counters of the block; asserts drafts were verified and (with
     ``every_slot``) every draft slot accepted at least once."""
-    from vllm_selfspec.spec_metrics import counter_delta
+    from vllm_selfspec.tools.spec_decode_counters import counter_delta
 
     before = spec_metrics(llm)
     samples = _sample(llm, prompt, config, seed_base, extra_args)
@@ -250,7 +250,7 @@ def device(model_dir, prompt):
 
 @pytest.fixture(scope="module")
 def hybrid_model_dir():
-    from vllm_selfspec.testing.tiny_models import tiny_model_dir
+    from tests.tiny_models import tiny_model_dir
 
     return tiny_model_dir("e2e-llama-loops", arch="llama", num_layers=8, initializer_range=0.05)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_selfspec import assets
+from vllm_selfspec.tools import assets
 
 
 def _fake_wheel(folder: Path, i: int, payload: bytes) -> Path:

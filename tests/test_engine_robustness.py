@@ -6,7 +6,7 @@
   output as plain vLLM under the same pressure.
 * Mixed batches: greedy requests next to sampled ones whose draft cap is smaller (so at later
   draft steps only greedy rows are still drafting), and a top-k-only sampled request. Both used to
-  kill the engine (see vllm_selfspec/proposer.py and patch 6 in vllm_selfspec/patches.py).
+  kill the engine (see vllm_selfspec/drafting/host_drafter.py and patch 6 in vllm_selfspec/plugin/patches.py).
 * Aborts mid-draft: half of a drafting batch is aborted between engine steps; the other half
   must finish with plain vLLM's tokens, and the engine serves on (the tests after it).
 * The plugin's metrics are also there for the offline ``LLM`` (``LLM.get_metrics()``).
@@ -31,13 +31,13 @@ SPEC = {"method": "selfspec", "skip_attention": [3, 5], "skip_mlp": [6],
 
 @pytest.fixture(scope="module")
 def model_dir():
-    from vllm_selfspec.testing.tiny_models import tiny_model_dir
+    from tests.tiny_models import tiny_model_dir
 
     return tiny_model_dir("e2e-llama", arch="llama", num_layers=8)
 
 
 def _ids() -> list[int]:
-    from vllm_selfspec.testing.tiny_models import build_tiny_tokenizer, tokenizer_corpus
+    from tests.tiny_models import build_tiny_tokenizer, tokenizer_corpus
 
     tok = build_tiny_tokenizer()
     out: list[int] = []

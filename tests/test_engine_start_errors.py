@@ -17,7 +17,7 @@ NUM_LAYERS = 6
 
 @pytest.fixture(scope="module")
 def model_dir():
-    from vllm_selfspec.testing.tiny_models import tiny_model_dir
+    from tests.tiny_models import tiny_model_dir
 
     return tiny_model_dir("errors-llama", arch="llama", num_layers=NUM_LAYERS)
 
@@ -103,7 +103,7 @@ def test_pipeline_parallel_refused(model_dir):
 
 
 def test_unsupported_architecture(tmp_path):
-    from vllm_selfspec.testing.tiny_models import tiny_model_dir
+    from tests.tiny_models import tiny_model_dir
 
     src = tiny_model_dir("errors-llama", arch="llama", num_layers=NUM_LAYERS)
     # Same weights, but the config claims an architecture selfspec does not drive.

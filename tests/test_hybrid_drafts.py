@@ -40,7 +40,7 @@ def _spec(cfg: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def model_dir():
-    from vllm_selfspec.testing.tiny_models import tiny_model_dir
+    from tests.tiny_models import tiny_model_dir
 
     # small initial weights: greedy continuations fall into short loops, which prompt lookup
     # predicts often but not always (offline: ~70% of its draft tokens right)

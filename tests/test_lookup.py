@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from vllm_selfspec.controller import expected_tokens
-from vllm_selfspec.lookup import LookupAcceptance, lookup_length
+from vllm_selfspec.control.controller import expected_tokens
+from vllm_selfspec.control.source_choice import LookupAcceptance, lookup_length
 
 
 def _length(**kw) -> int:
@@ -74,7 +74,7 @@ def test_acceptance_per_request_from_the_engine_prior():
 
 _MATCHER_CHECKS = """
 import numpy as np
-from vllm_selfspec.prompt_lookup import PromptLookup, valid_sampled
+from vllm_selfspec.drafting.prompt_lookup import PromptLookup, valid_sampled
 
 lookup = PromptLookup(min_n=2, max_n=4, k=4, max_model_len=64)
 table = np.zeros((3, 64), dtype=np.int32)

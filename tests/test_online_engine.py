@@ -31,7 +31,7 @@ AGGRESSIVE = {
 
 
 def _zero_model():
-    from vllm_selfspec.testing.tiny_models import tiny_model_dir
+    from tests.tiny_models import tiny_model_dir
 
     return tiny_model_dir("e2e-zero", arch="llama", num_layers=8, zero_output_layers=ZERO)
 
@@ -148,7 +148,7 @@ def test_converges_to_the_zero_output_layers(drafter, online, profile_path, refe
     drafted = window.delta()
     assert drafted["num_draft_tokens"] > 0, drafted
     assert drafted["num_accepted_tokens"] == drafted["num_draft_tokens"], drafted
-    from vllm_selfspec.profiles import load_profile
+    from vllm_selfspec.layers.profiles import load_profile
 
     profile = load_profile(profile_path)
     assert list(profile.skip_attention) == stats["skip_attention"]

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from vllm_selfspec.online_search import (
+from vllm_selfspec.layers.online_search import (
     Candidate,
     OnlineLayerSearch,
     OnlineSearchConfig,
@@ -150,7 +150,7 @@ def test_tp_ranks_agree():
 
 
 def _fp(layers: int = 8):
-    from vllm_selfspec.profiles import ModelFingerprint
+    from vllm_selfspec.layers.profiles import ModelFingerprint
 
     return ModelFingerprint("LlamaForCausalLM", layers, 128, 576, name="tiny")
 

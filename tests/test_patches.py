@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from vllm_selfspec import patches
+from vllm_selfspec.plugin import patches
 
 
 def test_entry_point_is_registered():

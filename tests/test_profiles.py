@@ -1,4 +1,4 @@
-"""Unit tests for vllm_selfspec.profiles (pure Python, no vLLM)."""
+"""Unit tests for vllm_selfspec.layers.profiles (pure Python, no vLLM)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from vllm_selfspec.errors import ProfileError, SelfSpecConfigError
-from vllm_selfspec.profiles import (
+from vllm_selfspec.layers.profiles import (
     SCHEMA_VERSION,
     ModelFingerprint,
     Profile,

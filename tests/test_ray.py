@@ -33,7 +33,7 @@ SPEC = {"method": "selfspec", "skip_attention": [1, 3], "skip_mlp": [4],
 
 @pytest.fixture(scope="module")
 def model_dir():
-    from vllm_selfspec.testing.tiny_models import tiny_model_dir
+    from tests.tiny_models import tiny_model_dir
 
     return tiny_model_dir("errors-llama", arch="llama", num_layers=6)
 
@@ -78,7 +78,7 @@ def _worker_view(cfg, shipped_as: str) -> dict:
 
     import vllm_selfspec
     from vllm_selfspec.config import SelfSpecSettings
-    from vllm_selfspec.patches import ADDITIONAL_CONFIG_KEY, is_selfspec_config
+    from vllm_selfspec.plugin.patches import ADDITIONAL_CONFIG_KEY, is_selfspec_config
 
     raw = cfg.additional_config[ADDITIONAL_CONFIG_KEY]
     settings = SelfSpecSettings.from_dict(raw)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_selfspec.testing.serve import removing_leaked_shm
+from tests.api_server import removing_leaked_shm
 
 pytest.importorskip("ray")
 pytestmark = pytest.mark.engine
@@ -69,7 +69,7 @@ def _run_ray_tp2(model_dir, tmp_path: Path, spec: dict, v2: str) -> dict:
 
 @pytest.fixture(scope="module")
 def model_dir():
-    from vllm_selfspec.testing.tiny_models import tiny_model_dir
+    from tests.tiny_models import tiny_model_dir
 
     return tiny_model_dir("e2e-llama", arch="llama", num_layers=8)
 
@@ -115,7 +115,7 @@ ZERO_LAYERS = [2, 5]
 @pytest.fixture(scope="module")
 def zero_model_dir():
     """Layers 2 and 5 have zero output projections: a draft skipping them is exact."""
-    from vllm_selfspec.testing.tiny_models import tiny_model_dir
+    from tests.tiny_models import tiny_model_dir
 
     return tiny_model_dir("e2e-zero", arch="llama", num_layers=8, zero_output_layers=ZERO_LAYERS)
 

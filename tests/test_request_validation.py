@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from tests.engine_utils import MetricsWindow, engine, token_ids
-from vllm_selfspec.worker_ext import SelfSpecWorkerExtension
+from vllm_selfspec.plugin.worker_ext import SelfSpecWorkerExtension
 
 pytestmark = pytest.mark.engine
 
@@ -67,7 +67,7 @@ VALID_XARGS: list[dict[str, Any]] = [
 
 @pytest.fixture(scope="module")
 def model_dir():
-    from vllm_selfspec.testing.tiny_models import tiny_model_dir
+    from tests.tiny_models import tiny_model_dir
 
     return tiny_model_dir(
         "e2e-zero", arch="llama", num_layers=NUM_LAYERS, zero_output_layers=ZERO_LAYERS
@@ -175,7 +175,7 @@ def test_llm_valid_overrides_identical_and_honoured(spec_llm, prompts, reference
 @pytest.fixture(scope="module")
 def spec_server(model_dir, spec_llm):
     """Starts after the LLM tests (the LLM engine is shut down at module end, not before)."""
-    from vllm_selfspec.testing.serve import api_server, free_port, server_command
+    from tests.api_server import api_server, free_port, server_command
 
     port = free_port()
     cmd = server_command(model_dir, port, SPEC, max_model_len=MAX_MODEL_LEN)
@@ -187,7 +187,7 @@ def _post(server: Any, kind: str, prompt: list[int], xargs: dict[str, Any] | Non
           stream: bool = False) -> tuple[int, Any]:
     import httpx
 
-    from vllm_selfspec.testing.serve import SERVED_MODEL_NAME
+    from tests.api_server import SERVED_MODEL_NAME
 
     body: dict[str, Any] = {
         "model": SERVED_MODEL_NAME,

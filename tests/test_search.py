@@ -14,10 +14,11 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 optuna = pytest.importorskip("optuna")
 
+from tests.tiny_models import tiny_model_dir  # noqa: E402
 from vllm_selfspec.config import resolve_settings  # noqa: E402
-from vllm_selfspec.profiles import ModelFingerprint, load_profile  # noqa: E402
-from vllm_selfspec.search.cost import LinearCostModel, estimate_speedup  # noqa: E402
-from vllm_selfspec.search.matchness import (  # noqa: E402
+from vllm_selfspec.layers.profiles import ModelFingerprint, load_profile  # noqa: E402
+from vllm_selfspec.layers.search.cost import LinearCostModel, estimate_speedup  # noqa: E402
+from vllm_selfspec.layers.search.matchness import (  # noqa: E402
     LayerSkipper,
     MatchnessScorer,
     SkipSet,
@@ -25,13 +26,12 @@ from vllm_selfspec.search.matchness import (  # noqa: E402
     load_model,
     simulate_chain_acceptance,
 )
-from vllm_selfspec.search.optimize import (  # noqa: E402
+from vllm_selfspec.layers.search.optimize import (  # noqa: E402
     LayerSearch,
     SearchConfig,
     searchable_layers,
     seed_sets,
 )
-from vllm_selfspec.testing.tiny_models import tiny_model_dir  # noqa: E402
 
 ZERO = [2, 5]
 PROMPTS = [
@@ -255,7 +255,7 @@ def test_search_resumes_and_refuses_other_settings(zero_model_dir, prompt_file, 
 
 
 def test_cli_search_show_validate(zero_model_dir, prompt_file, tmp_path, capsys) -> None:
-    from vllm_selfspec.profile_cli import main
+    from vllm_selfspec.tools.profile_cli import main
 
     out = tmp_path / "tiny-zero.json"
     rc = main(["search", str(zero_model_dir), "--prompts", str(prompt_file), "--num-prompts",
@@ -301,7 +301,7 @@ def test_cli_search_show_validate(zero_model_dir, prompt_file, tmp_path, capsys)
 
 
 def test_cli_help_and_module_entry_points(capsys) -> None:
-    from vllm_selfspec.profile_cli import build_parser
+    from vllm_selfspec.tools.profile_cli import build_parser, main
 
     for command in ("search", "show", "validate"):
         with pytest.raises(SystemExit) as exc:
@@ -310,14 +310,15 @@ def test_cli_help_and_module_entry_points(capsys) -> None:
     out = capsys.readouterr().out  # each --help prints its command's usage, search's --budget
     assert [ln.split()[2] for ln in out.splitlines() if ln.startswith("usage: selfspec-profile ")
             ] == ["search", "show", "validate"] and "--budget BUDGET" in out
-    import importlib
+    import importlib.metadata
 
-    assert importlib.import_module("vllm_selfspec.profile").main
-    assert importlib.util.find_spec("vllm_selfspec.search.__main__") is not None
+    scripts = {ep.name: ep for ep in importlib.metadata.entry_points(group="console_scripts")}
+    assert scripts["selfspec-profile"].value == "vllm_selfspec.tools.profile_cli:main"
+    assert scripts["selfspec-profile"].load() is main
 
 
 def test_prompt_files(tmp_path, loaded) -> None:
-    from vllm_selfspec.search.prompts import load_prompt_texts
+    from vllm_selfspec.layers.search.prompts import load_prompt_texts
 
     _, tok = loaded
     path = tmp_path / "p.jsonl"

@@ -7,9 +7,9 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 
-from vllm_selfspec.search.confirm import acceptance_from_counters, confirm_candidates  # noqa: E402
-from vllm_selfspec.search.matchness import SkipSet  # noqa: E402
-from vllm_selfspec.testing.tiny_models import tiny_model_dir  # noqa: E402
+from tests.tiny_models import tiny_model_dir  # noqa: E402
+from vllm_selfspec.layers.search.confirm import acceptance_from_counters, confirm_candidates  # noqa: E402
+from vllm_selfspec.layers.search.matchness import SkipSet  # noqa: E402
 
 
 def test_acceptance_from_counters() -> None:

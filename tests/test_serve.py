@@ -40,7 +40,7 @@ from typing import Any
 
 import pytest
 
-from vllm_selfspec.testing.serve import (
+from tests.api_server import (
     SERVED_MODEL_NAME,
     api_server,
     free_port,
@@ -96,7 +96,7 @@ FAULT_REQUESTS = 200
 
 
 def _corpus_prompts() -> list[str]:
-    from vllm_selfspec.testing.tiny_models import tokenizer_corpus
+    from tests.tiny_models import tokenizer_corpus
 
     return [line.strip() for line in tokenizer_corpus() if line.strip()]
 
@@ -112,7 +112,7 @@ _IDS: list[int] = []
 
 def _corpus_ids() -> list[int]:
     if not _IDS:
-        from vllm_selfspec.testing.tiny_models import (
+        from tests.tiny_models import (
             SPECIAL_TOKENS,
             build_tiny_tokenizer,
             tokenizer_corpus,
@@ -733,7 +733,7 @@ def wait_idle(server: Any, timeout_s: float = 60.0) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def model_dir():
-    from vllm_selfspec.testing.tiny_models import tiny_model_dir
+    from tests.tiny_models import tiny_model_dir
 
     return tiny_model_dir(
         "e2e-zero", arch="llama", num_layers=NUM_LAYERS, zero_output_layers=ZERO_LAYERS

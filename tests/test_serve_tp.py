@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import pytest
 
-from tests.engine_utils import engine, token_ids
-from vllm_selfspec.testing.serve import (
+from tests.api_server import (
     SERVED_MODEL_NAME,
     api_server,
     free_port,
     metric_value,
     server_command,
 )
+from tests.engine_utils import engine, token_ids
 
 pytestmark = pytest.mark.engine
 
@@ -31,7 +31,7 @@ def test_tp2_server_greedy_identical_to_tp1():
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from vllm_selfspec.testing.tiny_models import tiny_model_dir
+    from tests.tiny_models import tiny_model_dir
 
     model_dir = tiny_model_dir("e2e-llama", arch="llama", num_layers=8)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)

@@ -8,14 +8,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm_selfspec import patches
+from vllm_selfspec.plugin import patches
 
 NUM_LAYERS = 6
 
 
 @pytest.fixture(scope="module")
 def model_dir():
-    from vllm_selfspec.testing.tiny_models import tiny_model_dir
+    from tests.tiny_models import tiny_model_dir
 
     return tiny_model_dir("errors-llama", arch="llama", num_layers=NUM_LAYERS)
 
@@ -54,7 +54,7 @@ def _stats(running, drafts=0, draft_tokens=0, decoding=0):
 def test_stat_logger_only_for_selfspec_engines(model_dir):
     from vllm.v1.metrics.loggers import StatLoggerManager
 
-    from vllm_selfspec.metrics import SelfSpecStatLogger
+    from vllm_selfspec.plugin.metrics import SelfSpecStatLogger
 
     plain = _vllm_config(model_dir, None)
     manager = StatLoggerManager(plain, engine_idxs=[0], enable_default_loggers=False)
@@ -67,7 +67,7 @@ def test_stat_logger_only_for_selfspec_engines(model_dir):
     ours = [s for s in manager.stat_loggers if isinstance(s, SelfSpecStatLogger)]
     assert len(ours) == 1
     # the wrapper is installed once, whatever the number of calls
-    from vllm_selfspec.metrics import install
+    from vllm_selfspec.plugin.metrics import install
 
     install()
     install()
@@ -96,7 +96,7 @@ def test_stat_logger_only_for_selfspec_engines(model_dir):
 
 
 def test_flat_vllm_xargs_overrides():
-    from vllm_selfspec.controller import flat_overrides, validate_request_overrides
+    from vllm_selfspec.control.controller import flat_overrides, validate_request_overrides
 
     assert flat_overrides({}) is None
     assert flat_overrides({"other": 1}) is None

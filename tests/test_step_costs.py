@@ -1,4 +1,4 @@
-"""Unit tests for vllm_selfspec.step_costs (numpy only, no vLLM)."""
+"""Unit tests for vllm_selfspec.control.step_costs (numpy only, no vLLM)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from vllm_selfspec.step_costs import StepCostRecorder, StepCosts, bucket, quantise_x
+from vllm_selfspec.control.step_costs import StepCostRecorder, StepCosts, bucket, quantise_x
 
 
 def test_bucket_and_quantise() -> None:

@@ -1,7 +1,8 @@
 """Selfspec settings: validate the user's selfspec keys and choose the skip set for a model.
 
 :func:`resolve_settings` turns the selfspec-specific keys of a speculative config (see
-:data:`SELFSPEC_KEYS`) plus the served model's :class:`~vllm_selfspec.profiles.ModelFingerprint`
+:data:`SELFSPEC_KEYS`) plus the served model's
+:class:`~vllm_selfspec.layers.profiles.ModelFingerprint`
 into a :class:`SelfSpecSettings`, raising :class:`~vllm_selfspec.errors.SelfSpecConfigError` with
 a message that names the key, the value and what is allowed. The skip set comes from, in order:
 
@@ -11,7 +12,7 @@ a message that names the key, the value and what is allowed. The skip set comes 
 4. :func:`default_skip_set`, a conservative choice from the depth alone.
 
 ``layer_selection="online"`` makes that set the starting point of the on-the-fly search (see
-:mod:`vllm_selfspec.online_search`); it is the default in case 4 (nothing chose the set).
+:mod:`vllm_selfspec.layers.online_search`); it is the default in case 4 (nothing chose the set).
 
 Pure Python (stdlib only): importable without vLLM or torch.
 """
@@ -25,14 +26,14 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from vllm_selfspec.errors import SelfSpecConfigError
-from vllm_selfspec.lookup import (
+from vllm_selfspec.control.source_choice import (
     DEFAULT_DRAFTS,
     DEFAULT_PROMPT_LOOKUP_MAX,
     DEFAULT_PROMPT_LOOKUP_MIN,
     DRAFT_SOURCES,
 )
-from vllm_selfspec.profiles import (
+from vllm_selfspec.errors import SelfSpecConfigError
+from vllm_selfspec.layers.profiles import (
     ModelFingerprint,
     Profile,
     check_layer_indices,
@@ -72,7 +73,8 @@ DRAFT_SAMPLING_MODES = ("probabilistic", "argmax")
 LAYER_SELECTION_MODES = ("static", "online")
 DRAFTERS = ("host", "device")
 """``host``: the ``custom_class`` drafter (CPU lists, eager drafts; every feature). ``device``:
-vLLM's device-side speculator path (experimental; see :mod:`vllm_selfspec.device_drafter`)."""
+vLLM's device-side speculator path (experimental; see
+:mod:`vllm_selfspec.drafting.device_drafter`)."""
 DEFAULT_DRAFTER = "host"
 
 SELFSPEC_KEYS = frozenset(
@@ -188,7 +190,7 @@ def _check_layer_selection(value: object, where: str) -> str:
 
 
 def _check_online_search(value: object, where: str) -> dict[str, Any] | None:
-    from vllm_selfspec.online_search import OnlineSearchConfig
+    from vllm_selfspec.layers.online_search import OnlineSearchConfig
 
     if value is None:
         return None
@@ -217,7 +219,7 @@ def _check_profile_out(value: object, where: str) -> str | None:
 
 
 def _check_online_fits(online: Mapping[str, Any] | None, n_layers: int) -> None:
-    from vllm_selfspec.online_search import OnlineSearchConfig
+    from vllm_selfspec.layers.online_search import OnlineSearchConfig
 
     try:
         cfg = OnlineSearchConfig.from_dict(online)

@@ -49,7 +49,7 @@ def _no_abort(module: Any) -> None:
     module.AsyncLLM.abort = abort
 
 
-PATCHES = {"leak": ("vllm_selfspec.proposer", _leak),
+PATCHES = {"leak": ("vllm_selfspec.drafting.host_drafter", _leak),
            "no_abort": ("vllm.v1.engine.async_llm", _no_abort)}
 
 

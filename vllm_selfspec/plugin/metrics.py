@@ -1,0 +1,213 @@
+"""The plugin's own Prometheus metrics, next to vLLM's ``vllm:spec_decode_*`` counters.
+
+vLLM already exports drafts, draft tokens and accepted tokens (per position) for every speculative
+method. Two things a selfspec operator also wants are not there:
+
+``vllm:selfspec_mean_draft_length`` (gauge)
+    draft tokens per drafting request and step, over the last ``window_s`` seconds
+    (``VLLM_LOG_STATS_INTERVAL``, 10 s by default); it keeps its last value while the engine is
+    idle. With ``adaptive`` on this is the draft length the controller actually chooses (at most
+    ``num_speculative_tokens``).
+``vllm:selfspec_requests_drafting_off`` (gauge)
+    running requests that were verified without any draft in the latest engine step: requests the
+    adaptive controller switched off (drafts not accepted, or not worth their cost), requests that
+    asked for ``num_speculative_tokens: 0``, and requests clipped to zero drafts at
+    ``max_model_len``. Requests in prefill are not counted.
+``vllm:selfspec_decode_request_steps_total`` / ``vllm:selfspec_request_steps_drafting_off_total``
+    (counters) the same per-step counts summed: their ratio over a time range is the share of decode
+    work done without drafting.
+
+Where the numbers come from: every engine step the scheduler sends :class:`SchedulerStats` (with
+``SpecDecodingStats``: requests verified with drafts, draft tokens) and the front end builds
+:class:`IterationStats` (one inter-token latency per request that decoded in the step). So
+``decode requests - requests with drafts`` is the number of decoding requests without drafts; no
+extra traffic between the workers and the front end is needed.
+
+How the logger gets in: :func:`install` (patch 5 of :mod:`vllm_selfspec.plugin.patches`, run in the
+front-end process when a selfspec engine config is built) wraps ``StatLoggerManager.__init__`` and
+appends :class:`SelfSpecStatLogger` to the managers of engines whose speculative config is
+selfspec. vLLM's ``vllm.stat_logger_plugins`` entry-point
+group was not used on purpose: vLLM loads such plugins for *every* ``AsyncLLM`` and, when one is
+present, switches stats collection on even for engines started with ``--disable-log-stats``
+(``AsyncLLM.__init__``: ``log_stats or has_custom_loggers``); an installed vllm-selfspec must not
+change engines that do not ask for it. The wrapper also covers the offline ``LLM`` engine
+(``LLM.get_metrics()`` lists the metrics) which the entry-point group does not. Engines started
+with stats disabled have no ``StatLoggerManager`` and so none of these metrics.
+
+The metric names start with ``vllm:`` on purpose: vLLM's ``PrometheusStatLogger`` unregisters all
+``vllm:`` collectors when a new engine's loggers are built (tests and restarts in one process),
+and ``LLM.get_metrics()`` only lists ``vllm:`` metrics. The wrapper appends our logger after vLLM's
+own loggers are built, so that clean-up never removes the metrics of the engine being built.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from typing import Any
+
+from prometheus_client import REGISTRY, Counter, Gauge
+from vllm.v1.metrics.loggers import AggregateStatLoggerBase
+
+from vllm_selfspec.plugin.engine_markers import is_selfspec_config, wants_device_drafter
+
+logger = logging.getLogger("vllm.selfspec.metrics")
+
+PREFIX = "vllm:selfspec_"
+MEAN_DRAFT_LENGTH = PREFIX + "mean_draft_length"
+REQUESTS_DRAFTING_OFF = PREFIX + "requests_drafting_off"
+DECODE_REQUEST_STEPS = PREFIX + "decode_request_steps"
+REQUEST_STEPS_DRAFTING_OFF = PREFIX + "request_steps_drafting_off"
+
+_SENTINEL = "_vllm_selfspec_patched"
+
+
+def _log_interval() -> float:
+    try:
+        import vllm.envs as envs
+
+        return float(envs.VLLM_LOG_STATS_INTERVAL)
+    except Exception:  # pragma: no cover - older/newer vLLM
+        return 10.0
+
+
+def unregister_selfspec_metrics() -> None:
+    """Remove our collectors from the default registry (a new engine registers them again)."""
+    for collector in list(REGISTRY._collector_to_names):
+        name = getattr(collector, "_name", "")
+        if isinstance(name, str) and name.startswith(PREFIX):
+            REGISTRY.unregister(collector)
+
+
+class _EngineWindow:
+    """(time, drafts, draft tokens) of the recent steps of one engine."""
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self.steps: collections.deque[tuple[float, int, int]] = collections.deque()
+        self.drafts = 0
+        self.tokens = 0
+
+    def add(self, now: float, drafts: int, tokens: int) -> None:
+        self.steps.append((now, drafts, tokens))
+        self.drafts += drafts
+        self.tokens += tokens
+        while self.steps and self.steps[0][0] < now - self.window_s:
+            _, d, t = self.steps.popleft()
+            self.drafts -= d
+            self.tokens -= t
+
+    def mean(self) -> float | None:
+        return self.tokens / self.drafts if self.drafts > 0 else None
+
+
+class SelfSpecStatLogger(AggregateStatLoggerBase):
+    """Exports the selfspec metrics for the engines of one ``AsyncLLM`` / ``LLMEngine``."""
+
+    def __init__(self, vllm_config: Any, engine_indexes: list[int] | None = None) -> None:
+        engine_indexes = list(engine_indexes) if engine_indexes else [0]
+        self.engine_indexes = engine_indexes
+        self.window_s = _log_interval()
+        unregister_selfspec_metrics()
+        labelnames = ["model_name", "engine"]
+        model_name = vllm_config.model_config.served_model_name
+        mean = Gauge(
+            MEAN_DRAFT_LENGTH,
+            "selfspec: mean draft tokens per drafting request and step over the last "
+            f"{self.window_s:g} s",
+            labelnames,
+            multiprocess_mode="mostrecent",
+        )
+        off = Gauge(
+            REQUESTS_DRAFTING_OFF,
+            "selfspec: running requests verified without drafts in the latest step "
+            "(adaptive controller off, per-request cap 0, or no room before max_model_len)",
+            labelnames,
+            multiprocess_mode="mostrecent",
+        )
+        steps = Counter(
+            DECODE_REQUEST_STEPS,
+            "selfspec: decode steps summed over requests (prefill excluded)",
+            labelnames,
+        )
+        off_steps = Counter(
+            REQUEST_STEPS_DRAFTING_OFF,
+            "selfspec: decode steps summed over requests that were verified without drafts",
+            labelnames,
+        )
+        self._mean, self._off, self._steps, self._off_steps = {}, {}, {}, {}
+        self._windows: dict[int, _EngineWindow] = {}
+        for idx in engine_indexes:
+            labels = (model_name, str(idx))
+            self._mean[idx] = mean.labels(*labels)
+            self._off[idx] = off.labels(*labels)
+            self._steps[idx] = steps.labels(*labels)
+            self._off_steps[idx] = off_steps.labels(*labels)
+            self._windows[idx] = _EngineWindow(self.window_s)
+
+    def record(
+        self,
+        scheduler_stats: Any,
+        iteration_stats: Any,
+        mm_cache_stats: Any = None,
+        engine_idx: int = 0,
+    ) -> None:
+        if scheduler_stats is None or engine_idx not in self._windows:
+            return
+        spec = getattr(scheduler_stats, "spec_decoding_stats", None)
+        drafts = int(spec.num_drafts) if spec is not None else 0
+        tokens = int(spec.num_draft_tokens) if spec is not None else 0
+        window = self._windows[engine_idx]
+        if drafts:
+            window.add(time.monotonic(), drafts, tokens)
+            mean = window.mean()
+            if mean is not None:
+                self._mean[engine_idx].set(mean)
+        running = int(getattr(scheduler_stats, "num_running_reqs", 0))
+        if iteration_stats is None:
+            if running == 0:
+                self._off[engine_idx].set(0)
+            return
+        # One inter-token latency per request that decoded (not prefilled) in this step.
+        decoding = len(getattr(iteration_stats, "inter_token_latencies_iter", ()))
+        off = max(decoding - drafts, 0)
+        if decoding:
+            self._steps[engine_idx].inc(decoding)
+        if off:
+            self._off_steps[engine_idx].inc(off)
+        # Requests that finished in this step are no longer running.
+        self._off[engine_idx].set(min(off, running))
+
+    def log_engine_initialized(self) -> None:
+        logger.info(
+            "selfspec metrics: %s, %s (gauges), %s_total, %s_total (counters)",
+            MEAN_DRAFT_LENGTH,
+            REQUESTS_DRAFTING_OFF,
+            DECODE_REQUEST_STEPS,
+            REQUEST_STEPS_DRAFTING_OFF,
+        )
+
+
+def install() -> None:
+    """Wrap ``StatLoggerManager.__init__`` once per process (idempotent)."""
+    from vllm.v1.metrics.loggers import StatLoggerManager
+
+    original = StatLoggerManager.__init__
+    if getattr(original, _SENTINEL, False):
+        return
+
+    def __init__(self, vllm_config, *args, **kwargs):
+        original(self, vllm_config, *args, **kwargs)
+
+        spec = getattr(vllm_config, "speculative_config", None)
+        if not (is_selfspec_config(spec) or wants_device_drafter(vllm_config)):
+            return
+        try:
+            self.stat_loggers.append(SelfSpecStatLogger(vllm_config, self.engine_indexes))
+        except Exception:  # metrics must never stop an engine from starting
+            logger.exception("selfspec: could not set up the selfspec metrics")
+
+    setattr(__init__, _SENTINEL, True)
+    __init__.__wrapped__ = original  # type: ignore[attr-defined]
+    StatLoggerManager.__init__ = __init__
