@@ -12,7 +12,6 @@ from vllm_selfspec.control.controller import (
     MAX_THRESHOLD,
     ControllerConfig,
     DraftLengthController,
-    best_draft_length,
     expected_tokens,
     validate_request_overrides,
 )
@@ -118,11 +117,6 @@ def test_expected_tokens_edges() -> None:
     assert expected_tokens(0.0, 5) == 1.0
     assert expected_tokens(0.5, 0) == 1.0
     assert expected_tokens(0.5, 2) == pytest.approx(1.75)
-    assert best_draft_length(0.0, 0.0, 8) == 0
-    assert best_draft_length(1.0, 0.0, 8) == 8
-    assert best_draft_length(1.0, 0.5, 8) == 8
-    assert best_draft_length(1.0, 1.0, 8) == 0  # (k+1)/(k+1) never beats 1
-    assert best_draft_length(0.3, 0.5, 8) == 0  # drafting pays only when a > r
 
 
 def test_new_request_drafts() -> None:

@@ -7,8 +7,9 @@ the list would be missing from wheels while every test in a source checkout stil
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,7 +31,7 @@ def test_every_subpackage_is_listed() -> None:
 
 
 def test_source_walk_finds_nested_subpackages() -> None:
-    """The walk the listing check compares with reaches nested folders (else it could pass empty)."""
+    """The walk the listing check compares with reaches nested folders (else it passes empty)."""
     assert {"vllm_selfspec.control", "vllm_selfspec.layers.search"} <= _source_packages()
 
 

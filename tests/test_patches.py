@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from vllm_selfspec.plugin import patches
+from vllm_selfspec.plugin import engine_markers, patches
 
 
 def test_entry_point_is_registered():
@@ -83,7 +83,7 @@ def test_lookahead_for_selfspec_only():
 
     patches.apply_patches()
     prop = VllmConfig.num_lookahead_tokens
-    ours = _FakeVllmConfig(_FakeSpec("custom_class", patches.PROPOSER_PATH, 6))
+    ours = _FakeVllmConfig(_FakeSpec("custom_class", engine_markers.PROPOSER_PATH, 6))
     assert prop.fget(ours) == 6
     # somebody else's custom proposer keeps vLLM's answer (0)
     other = _FakeVllmConfig(_FakeSpec("custom_class", "my.pkg.Proposer", 6))
@@ -125,12 +125,12 @@ def test_device_drafter_only_for_selfspec_draft_model_engines():
         cfg.additional_config = None if settings is None else {"selfspec": settings}
         return cfg
 
-    assert patches.wants_device_drafter(config("draft_model", {"drafter": "device"}))
+    assert engine_markers.wants_device_drafter(config("draft_model", {"drafter": "device"}))
     # a user's own draft-model engine, and selfspec's host drafter, keep vLLM's proposer
-    assert not patches.wants_device_drafter(config("draft_model", None))
-    assert not patches.wants_device_drafter(config("draft_model", {"drafter": "host"}))
-    assert not patches.wants_device_drafter(config("custom_class", {"drafter": "device"}))
-    assert not patches.wants_device_drafter(_FakeVllmConfig(None))
+    assert not engine_markers.wants_device_drafter(config("draft_model", None))
+    assert not engine_markers.wants_device_drafter(config("draft_model", {"drafter": "host"}))
+    assert not engine_markers.wants_device_drafter(config("custom_class", {"drafter": "device"}))
+    assert not engine_markers.wants_device_drafter(_FakeVllmConfig(None))
 
 
 def test_runner_patch_waits_for_the_runner_module():

@@ -78,7 +78,7 @@ def _worker_view(cfg, shipped_as: str) -> dict:
 
     import vllm_selfspec
     from vllm_selfspec.config import SelfSpecSettings
-    from vllm_selfspec.plugin.patches import ADDITIONAL_CONFIG_KEY, is_selfspec_config
+    from vllm_selfspec.plugin.engine_markers import ADDITIONAL_CONFIG_KEY, is_selfspec_config
 
     raw = cfg.additional_config[ADDITIONAL_CONFIG_KEY]
     settings = SelfSpecSettings.from_dict(raw)

@@ -303,18 +303,6 @@ def _expected_tokens_array(a: np.ndarray, k: np.ndarray) -> np.ndarray:
     return np.where(a >= 1.0, k + 1.0, geometric)
 
 
-def best_draft_length(a: float, r: float, cap: int) -> int:
-    """The ``k`` in ``0..cap`` maximising ``E(k) / (k*r + 1)`` (free verification, a draft
-    forward costing ``r`` plain steps); ties go to the smaller ``k``."""
-    a = min(max(a, 0.0), 1.0)
-    best_k, best_rate = 0, 1.0
-    for k in range(1, cap + 1):
-        rate = expected_tokens(a, k) / (k * r + 1.0)
-        if rate > best_rate * (1.0 + 1e-12):
-            best_k, best_rate = k, rate
-    return best_k
-
-
 class DraftLengthController:
     """Per-request draft budgets and exit thresholds; see the module docstring for the rules."""
 

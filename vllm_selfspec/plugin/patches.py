@@ -82,10 +82,9 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from vllm_selfspec.plugin.engine_markers import (  # noqa: F401  (re-exported: patches' public names)
+from vllm_selfspec.plugin.engine_markers import (
     ADDITIONAL_CONFIG_KEY,
     METHOD_NAME,
-    PROPOSER_PATH,
     is_selfspec_config,
     wants_device_drafter,
 )
