@@ -25,6 +25,7 @@ CORE_MODULES = (
     "vllm_selfspec.layers.profiles",
     "vllm_selfspec.layers.search.optimize",
     "vllm_selfspec.layers.search.output",
+    "vllm_selfspec.layers.skip_set",
     "vllm_selfspec.plugin.engine_markers",
     "vllm_selfspec.tools.spec_decode_counters",
 )

@@ -6,19 +6,19 @@ import random
 
 import pytest
 
+from vllm_selfspec.control.controller import expected_tokens
 from vllm_selfspec.layers.online_search import (
-    Candidate,
     OnlineLayerSearch,
     OnlineSearchConfig,
     SubLayerCosts,
     estimated_speedup,
-    expected_tokens,
 )
+from vllm_selfspec.layers.skip_set import SkipSet
 
-ZERO = Candidate.of([2, 5], [2, 5])  # a model whose layers 2 and 5 add nothing
+ZERO = SkipSet.of([2, 5], [2, 5])  # a model whose layers 2 and 5 add nothing
 
 
-def _oracle(cand: Candidate, zero: Candidate = ZERO) -> float:
+def _oracle(cand: SkipSet, zero: SkipSet = ZERO) -> float:
     """Matchness of a synthetic 8-layer model: zero-output sub-layers are free, others cost."""
     bad = len(set(cand.attention) - set(zero.attention)) + len(set(cand.mlp) - set(zero.mlp))
     return max(0.0, 1.0 - 0.3 * bad)
@@ -55,7 +55,7 @@ def test_config_validation():
 @pytest.mark.parametrize("use_optuna", [False, True])
 def test_converges_to_the_free_layers(use_optuna):
     cfg = OnlineSearchConfig(seed=3, budget_trials=15, use_optuna=use_optuna, incumbent_every=8)
-    search = _run(OnlineLayerSearch(8, 4, cfg, initial=Candidate.of([4, 6], [])))
+    search = _run(OnlineLayerSearch(8, 4, cfg, initial=SkipSet.of([4, 6], [])))
     assert not search.searching, search.summary()
     assert search.incumbent == ZERO, search.summary()
     assert search.budget == 4
@@ -109,7 +109,7 @@ def test_overhead_cadence():
 
 def test_measured_costs_steer_the_objective():
     search = OnlineLayerSearch(8, 4, OnlineSearchConfig(), costs=SubLayerCosts.uniform(8))
-    cand = Candidate.of([1, 2, 3, 4], [1, 2, 3, 4])
+    cand = SkipSet.of([1, 2, 3, 4], [1, 2, 3, 4])
     search.report(cand, 58, 64)
     cheap = search.objective(cand)
     assert cheap > 1.2
@@ -126,7 +126,7 @@ def test_restart_on_acceptance_drift():
     assert search.observe_acceptance(50, 10)  # 0.2: a new task
     assert search.searching and search.restarts == 1
     # the new traffic makes other layers free: the search follows
-    other = Candidate.of([3], [3, 4])
+    other = SkipSet.of([3], [3, 4])
     _run(search, oracle=lambda c: _oracle(c, other))
     assert search.incumbent == other, search.summary()
 

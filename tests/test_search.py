@@ -21,7 +21,6 @@ from vllm_selfspec.layers.search.cost import LinearCostModel, estimate_speedup  
 from vllm_selfspec.layers.search.matchness import (  # noqa: E402
     LayerSkipper,
     MatchnessScorer,
-    SkipSet,
     generate_references,
     load_model,
     simulate_chain_acceptance,
@@ -32,6 +31,7 @@ from vllm_selfspec.layers.search.optimize import (  # noqa: E402
     searchable_layers,
     seed_sets,
 )
+from vllm_selfspec.layers.skip_set import SkipSet  # noqa: E402
 
 ZERO = [2, 5]
 PROMPTS = [

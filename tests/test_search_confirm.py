@@ -9,7 +9,7 @@ pytest.importorskip("transformers")
 
 from tests.tiny_models import tiny_model_dir  # noqa: E402
 from vllm_selfspec.layers.search.confirm import acceptance_from_counters, confirm_candidates  # noqa: E402
-from vllm_selfspec.layers.search.matchness import SkipSet  # noqa: E402
+from vllm_selfspec.layers.skip_set import SkipSet  # noqa: E402
 
 
 def test_acceptance_from_counters() -> None:

@@ -19,7 +19,6 @@ Pure Python (stdlib only): importable without vLLM or torch.
 
 from __future__ import annotations
 
-import difflib
 import logging
 import math
 from collections.abc import Mapping
@@ -32,7 +31,7 @@ from vllm_selfspec.control.source_choice import (
     DEFAULT_PROMPT_LOOKUP_MIN,
     DRAFT_SOURCES,
 )
-from vllm_selfspec.errors import SelfSpecConfigError
+from vllm_selfspec.errors import SelfSpecConfigError, check_known_keys, did_you_mean, is_int
 from vllm_selfspec.layers.profiles import (
     ModelFingerprint,
     Profile,
@@ -101,12 +100,8 @@ SELFSPEC_KEYS = frozenset(
 # ------------------------------------------------------------------------------ validators
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _check_num_speculative_tokens(value: object, where: str) -> int:
-    if not _is_int(value) or value < 1:  # type: ignore[operator]
+    if not is_int(value) or value < 1:  # type: ignore[operator]
         raise SelfSpecConfigError(f"{where} must be an integer >= 1, got {value!r}")
     return value  # type: ignore[return-value]
 
@@ -163,7 +158,7 @@ def _check_drafts(value: object, where: str) -> str:
 
 def _check_prompt_lookup(low: object, high: object) -> None:
     for key, value in (("prompt_lookup_min", low), ("prompt_lookup_max", high)):
-        if not _is_int(value) or value < 1:  # type: ignore[operator]
+        if not is_int(value) or value < 1:  # type: ignore[operator]
             raise SelfSpecConfigError(f"{key} must be an integer >= 1, got {value!r}")
     if low > high:  # type: ignore[operator]
         raise SelfSpecConfigError(
@@ -176,9 +171,9 @@ def _prompt_lookup_sizes(given: Mapping[str, Any]) -> tuple[int, int]:
     :class:`SelfSpecSettings`: a bad value is passed on as it is)."""
     low, high = given.get("prompt_lookup_min"), given.get("prompt_lookup_max")
     if low is None:
-        low = min(DEFAULT_PROMPT_LOOKUP_MIN, high) if _is_int(high) else DEFAULT_PROMPT_LOOKUP_MIN
+        low = min(DEFAULT_PROMPT_LOOKUP_MIN, high) if is_int(high) else DEFAULT_PROMPT_LOOKUP_MIN
     if high is None:
-        high = max(DEFAULT_PROMPT_LOOKUP_MAX, low) if _is_int(low) else DEFAULT_PROMPT_LOOKUP_MAX
+        high = max(DEFAULT_PROMPT_LOOKUP_MAX, low) if is_int(low) else DEFAULT_PROMPT_LOOKUP_MAX
     return low, high
 
 
@@ -269,7 +264,7 @@ class SelfSpecSettings:
 
     def __post_init__(self) -> None:
         n = self.num_hidden_layers
-        if not _is_int(n) or n < 1:
+        if not is_int(n) or n < 1:
             raise SelfSpecConfigError(f"num_hidden_layers must be an integer >= 1, got {n!r}")
         for key in ("skip_attention", "skip_mlp"):
             indices = check_layer_indices(getattr(self, key), key=key, num_hidden_layers=n)
@@ -332,11 +327,7 @@ class SelfSpecSettings:
         if not isinstance(d, Mapping):
             raise SelfSpecConfigError(f"selfspec settings must be a mapping, got {d!r}")
         names = [f.name for f in fields(cls)]
-        unknown = [k for k in d if k not in names]
-        if unknown:
-            raise SelfSpecConfigError(
-                f"selfspec settings: unknown key {unknown[0]!r}; known keys: {', '.join(names)}"
-            )
+        check_known_keys(d, names, "selfspec settings")
         required = ("num_speculative_tokens", "skip_attention", "skip_mlp", "source")
         missing = [k for k in required + ("num_hidden_layers",) if k not in d]
         if missing:
@@ -376,7 +367,7 @@ def default_skip_set(num_hidden_layers: int) -> tuple[tuple[int, ...], tuple[int
     This is a fallback so that any supported model works; a profile searched for the model (see
     the design notes, section 4) drafts better.
     """
-    if not _is_int(num_hidden_layers) or num_hidden_layers < 1:
+    if not is_int(num_hidden_layers) or num_hidden_layers < 1:
         raise SelfSpecConfigError(
             f"num_hidden_layers must be an integer >= 1, got {num_hidden_layers!r}"
         )
@@ -400,13 +391,9 @@ def _explicit_lists(spec: Mapping[str, Any], n_layers: int) -> tuple[tuple[int, 
 
 def _unknown_key_error(key: object) -> SelfSpecConfigError:
     valid = sorted(SELFSPEC_KEYS)
-    hint = ""
-    if isinstance(key, str):
-        close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
-        if close:
-            hint = f" (did you mean {close[0]!r}?)"
     return SelfSpecConfigError(
-        f"unknown selfspec key {key!r}{hint}; valid selfspec keys: {', '.join(valid)} "
+        f"unknown selfspec key {key!r}{did_you_mean(key, valid)}; "
+        f"valid selfspec keys: {', '.join(valid)} "
         f"(plus vLLM's speculative-config keys such as num_speculative_tokens)"
     )
 

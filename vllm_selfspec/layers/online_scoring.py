@@ -50,11 +50,11 @@ import torch
 from vllm_selfspec.drafting.batch_forward import skip_model_logits
 from vllm_selfspec.drafting.skip_forward import LayerSkipForward
 from vllm_selfspec.layers.online_search import (
-    Candidate,
     OnlineLayerSearch,
     OnlineSearchConfig,
     SubLayerCosts,
 )
+from vllm_selfspec.layers.skip_set import SkipSet
 
 logger = logging.getLogger("vllm.selfspec.online")
 
@@ -105,7 +105,7 @@ class OnlineSelector:
         self.config = OnlineSearchConfig.from_dict(settings.online_search)
         self.profile_out: str | None = settings.online_profile_out
         self.search: OnlineLayerSearch | None = None
-        self.initial = Candidate.of(settings.skip_attention, settings.skip_mlp)
+        self.initial = SkipSet.of(settings.skip_attention, settings.skip_mlp)
         self.current = self.initial  # the set the drafter drafts with
         self.counters: dict[str, Any] = {
             "passes": 0,
@@ -130,7 +130,7 @@ class OnlineSelector:
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
-    def attach(self, forward: LayerSkipForward, target: torch.nn.Module) -> Candidate:
+    def attach(self, forward: LayerSkipForward, target: torch.nn.Module) -> SkipSet:
         """Once the drafter has the target: build the search; returns the set to start with."""
         self._run = functools.partial(
             skip_model_logits, self.runner, self.vllm_config, forward, target
@@ -165,7 +165,7 @@ class OnlineSelector:
         *,
         verified: tuple[int, int],
         timings: tuple[float | None, float | None],
-    ) -> Candidate | None:
+    ) -> SkipSet | None:
         """One engine step. ``decoding``: per row of the input batch, whether it sampled a token
         this step (False for a partial prefill: nothing to score); ``num_tokens_no_spec`` /
         ``token_ids_cpu``:
@@ -203,7 +203,7 @@ class OnlineSelector:
         self.counters["last_step_t"] = time.time()
         return self.current if changed else None
 
-    def _adopt(self, cand: Candidate) -> bool:
+    def _adopt(self, cand: SkipSet) -> bool:
         """Make ``cand`` the set to draft with; returns whether it changed."""
         if cand == self.current:
             return False
@@ -296,7 +296,7 @@ class OnlineSelector:
         # Targets: the full model's argmax under the same attention as the candidates (no
         # diagonal), so that the comparison isolates the skipped sub-layers; its agreement with
         # the emitted tokens is kept as a diagnostic.
-        reference = score_forward(self._run, window, Candidate((), ()))
+        reference = score_forward(self._run, window, SkipSet((), ()))
         targets = reference.argmax(dim=-1)
         positions = int(targets.numel())
         self.counters["reference_hits"] += int((targets == emitted).sum().item())
@@ -412,7 +412,7 @@ def _write_at_exit(ref: weakref.ref) -> None:
         logger.warning("selfspec online: could not write the profile at exit: %s", exc)
 
 
-def score_forward(run: Any, window: dict[str, Any], cand: Candidate) -> torch.Tensor:
+def score_forward(run: Any, window: dict[str, Any], cand: SkipSet) -> torch.Tensor:
     """Logits ``[tokens, vocab]`` of a draft-mode forward with skip set ``cand`` over ``window``,
     teacher-forced, reading the paged cache and writing no KV (slot -1 everywhere). ``run`` is
     :func:`~vllm_selfspec.drafting.batch_forward.skip_model_logits` bound to the runner and the

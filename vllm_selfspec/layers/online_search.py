@@ -43,42 +43,20 @@ import math
 import random
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, fields
-from typing import Any, NamedTuple
+from typing import Any
+
+from vllm_selfspec.control.controller import expected_tokens
+from vllm_selfspec.errors import check_known_keys, is_int
+from vllm_selfspec.layers.skip_set import SkipSet
 
 __all__ = [
-    "Candidate",
+    "SkipSet",
     "OnlineSearchConfig",
     "OnlineLayerSearch",
     "SubLayerCosts",
     "estimated_speedup",
     "expected_tokens",
 ]
-
-
-class Candidate(NamedTuple):
-    """A skip set: sorted 0-based layer indices of skipped attention / MLP sub-layers."""
-
-    attention: tuple[int, ...]
-    mlp: tuple[int, ...]
-
-    @classmethod
-    def of(cls, attention: Iterable[int] = (), mlp: Iterable[int] = ()) -> Candidate:
-        return cls(tuple(sorted({int(i) for i in attention})), tuple(sorted({int(i) for i in mlp})))
-
-    @property
-    def size(self) -> int:
-        return len(self.attention) + len(self.mlp)
-
-    def describe(self) -> str:
-        return f"attention {list(self.attention)}, MLP {list(self.mlp)}"
-
-
-def expected_tokens(a: float, k: int) -> float:
-    """Tokens per verification of ``k`` drafts at per-token acceptance ``a``."""
-    a = min(max(a, 0.0), 1.0)
-    if a >= 1.0:
-        return float(k + 1)
-    return (1.0 - a ** (k + 1)) / (1.0 - a)
 
 
 def estimated_speedup(a: float, c_draft: float, k_max: int) -> tuple[float, int]:
@@ -122,17 +100,13 @@ class SubLayerCosts:
             self.fixed / total,
         )
 
-    def kept_share(self, skip: Candidate) -> float:
+    def kept_share(self, skip: SkipSet) -> float:
         """The share of a full forward a draft with ``skip`` still runs."""
         saved = sum(self.attention[i] for i in skip.attention) + sum(self.mlp[i] for i in skip.mlp)
         return max(1.0 - saved, 1e-6)
 
 
 # ------------------------------------------------------------------------------------ config
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_number(value: object) -> bool:
@@ -177,12 +151,12 @@ class OnlineSearchConfig:
             "max_window_tokens", "incumbent_every", "budget_trials", "restart_window",
         )
         for key in positive_ints:
-            if not _is_int(getattr(self, key)) or getattr(self, key) < 1:
+            if not is_int(getattr(self, key)) or getattr(self, key) < 1:
                 raise bad(key, "an integer >= 1")
         for key in ("seed", "min_tokens", "protect_first", "protect_last"):
-            if not _is_int(getattr(self, key)) or getattr(self, key) < 0:
+            if not is_int(getattr(self, key)) or getattr(self, key) < 0:
                 raise bad(key, "an integer >= 0")
-        if self.budget is not None and (not _is_int(self.budget) or self.budget < 1):
+        if self.budget is not None and (not is_int(self.budget) or self.budget < 1):
             raise bad("budget", "null (adaptive) or an integer >= 1")
         if not _is_number(self.target_matchness) or not 0 < self.target_matchness <= 1:
             raise bad("target_matchness", "a number in (0, 1]")
@@ -205,11 +179,7 @@ class OnlineSearchConfig:
         if not isinstance(d, Mapping):
             raise ValueError(f"online_search must be a mapping of knobs, got {d!r}")
         names = [f.name for f in fields(cls)]
-        unknown = [k for k in d if k not in names]
-        if unknown:
-            raise ValueError(
-                f"online_search: unknown key {unknown[0]!r}; known keys: {', '.join(names)}"
-            )
+        check_known_keys(d, names, "online_search", ValueError)
         return cls(**dict(d))
 
     def to_dict(self) -> dict[str, Any]:
@@ -238,7 +208,7 @@ class OnlineLayerSearch:
         k_max: int,
         config: OnlineSearchConfig | None = None,
         costs: SubLayerCosts | None = None,
-        initial: Candidate | None = None,
+        initial: SkipSet | None = None,
     ) -> None:
         self.config = cfg = config or OnlineSearchConfig()
         if num_layers < 1 or k_max < 1:
@@ -259,7 +229,7 @@ class OnlineLayerSearch:
             )
         n_sub = len(self.choices)
         self.rng = random.Random(cfg.seed)
-        initial = initial or Candidate((), ())
+        initial = initial or SkipSet((), ())
         if initial.size == 0:
             # nothing to start from: skip the attention of about a sixth of the layers
             initial = self._random_set(max(1, n_sub // 12), self.rng)
@@ -273,14 +243,14 @@ class OnlineLayerSearch:
         self.history: list[dict[str, Any]] = []
         self.restarts = 0
         self.converged_reason: str | None = None
-        self._records: dict[Candidate, _Record] = {}
+        self._records: dict[SkipSet, _Record] = {}
         self._reset_search()
         self._acc_window = [0, 0]
         self._acc_baseline: float | None = None
         self._calls = 0
         self._study: Any = None
         self._optuna_failed = not cfg.use_optuna
-        self._pending_trials: dict[Candidate, Any] = {}
+        self._pending_trials: dict[SkipSet, Any] = {}
 
     # ---- public API ----------------------------------------------------------------------
 
@@ -295,11 +265,11 @@ class OnlineLayerSearch:
         self._calls += 1
         return self._calls % self.score_interval == 0
 
-    def next_candidates(self) -> list[Candidate]:
+    def next_candidates(self) -> list[SkipSet]:
         """The candidates for this step's scoring passes (empty when converged)."""
         if not self.searching:
             return []
-        out: list[Candidate] = []
+        out: list[SkipSet] = []
         for _ in range(self.config.candidates_per_step):
             self.steps += 1
             inc = self._records.get(self.incumbent)
@@ -318,7 +288,7 @@ class OnlineLayerSearch:
                 out.append(cand)
         return out
 
-    def report(self, candidate: Candidate, hits: int, positions: int) -> bool:
+    def report(self, candidate: SkipSet, hits: int, positions: int) -> bool:
         """Record a scoring pass of ``candidate``; returns True when the incumbent changed."""
         if positions <= 0:
             return False
@@ -357,18 +327,18 @@ class OnlineLayerSearch:
         self._check_convergence()
         return changed
 
-    def objective(self, candidate: Candidate) -> float:
+    def objective(self, candidate: SkipSet) -> float:
         """Estimated speedup of ``candidate`` over plain decoding (1.0 when never scored)."""
         rec = self._records.get(candidate)
         if rec is None or rec.positions == 0:
             return 1.0
         return estimated_speedup(rec.matchness, self.c_draft(candidate), self.k_max)[0]
 
-    def matchness(self, candidate: Candidate) -> float | None:
+    def matchness(self, candidate: SkipSet) -> float | None:
         rec = self._records.get(candidate)
         return rec.matchness if rec and rec.positions else None
 
-    def c_draft(self, candidate: Candidate) -> float:
+    def c_draft(self, candidate: SkipSet) -> float:
         return self.draft_ratio * self.costs.kept_share(candidate)
 
     def observe_costs(self, draft_step_s: float, verify_step_s: float) -> None:
@@ -445,24 +415,24 @@ class OnlineLayerSearch:
         self.since_improvement = 0
         self.best_objective = 1.0
         self.budget_scored = 0
-        self.budget_best: dict[int, tuple[float, Candidate]] = {}
+        self.budget_best: dict[int, tuple[float, SkipSet]] = {}
         self.budget_blocks: dict[int, int] = {}
         self.budget_settled = self.config.budget is not None
         self.budget_step = max(1, len(self.choices) // 8)
 
-    def _to_candidate(self, chosen: Iterable[tuple[str, int]]) -> Candidate:
+    def _to_candidate(self, chosen: Iterable[tuple[str, int]]) -> SkipSet:
         chosen = list(chosen)
-        return Candidate.of(
+        return SkipSet.of(
             (i for kind, i in chosen if kind == "a"), (i for kind, i in chosen if kind == "m")
         )
 
-    def _members(self, cand: Candidate) -> set[tuple[str, int]]:
+    def _members(self, cand: SkipSet) -> set[tuple[str, int]]:
         return {("a", i) for i in cand.attention} | {("m", i) for i in cand.mlp}
 
-    def _random_set(self, size: int, rng: random.Random) -> Candidate:
+    def _random_set(self, size: int, rng: random.Random) -> SkipSet:
         return self._to_candidate(rng.sample(self.choices, min(size, len(self.choices))))
 
-    def _local_move(self) -> Candidate:
+    def _local_move(self) -> SkipSet:
         """From the incumbent (or the best set of the current budget when that is at least as
         good): resize it to the budget, or, when it already has the budget's size, swap one
         skipped sub-layer for a kept one."""
@@ -502,7 +472,7 @@ class OnlineLayerSearch:
         self._study = optuna.create_study(direction="maximize", sampler=sampler)
         return self._study
 
-    def _bayes_candidate(self) -> Candidate:
+    def _bayes_candidate(self) -> SkipSet:
         study = self._ensure_study()
         if study is None:
             return self._random_set(self.budget, self.rng)
@@ -514,7 +484,7 @@ class OnlineLayerSearch:
         self._pending_trials[cand] = trial
         return cand
 
-    def _tell_optuna(self, cand: Candidate, obj: float) -> None:
+    def _tell_optuna(self, cand: SkipSet, obj: float) -> None:
         study = self._ensure_study()
         if study is None:
             return

@@ -29,20 +29,25 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import difflib
 import functools
 import json
 import logging
 import os
 import re
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from vllm_selfspec.errors import ProfileError, SelfSpecConfigError
+from vllm_selfspec.errors import (
+    ProfileError,
+    SelfSpecConfigError,
+    check_known_keys,
+    did_you_mean,
+    is_int,
+)
 
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
@@ -85,10 +90,6 @@ _OPTIONAL_KEYS = ("draft", "provenance")
 # --------------------------------------------------------------------------------------- helpers
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _json_type(value: object) -> str:
     """The JSON name of a value's type, for error messages."""
     if value is None:
@@ -106,11 +107,6 @@ def _json_type(value: object) -> str:
     if isinstance(value, Mapping):
         return "object"
     return type(value).__name__
-
-
-def _did_you_mean(word: str, choices: Sequence[str]) -> str:
-    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def check_layer_indices(
@@ -138,7 +134,7 @@ def check_layer_indices(
     seen: set[int] = set()
     duplicates: list[int] = []
     for i, item in enumerate(value):
-        if not _is_int(item):
+        if not is_int(item):
             raise error(
                 f"{prefix}{key}[{i}] = {item!r} ({_json_type(item)}) is not an integer layer "
                 f"index; {valid}"
@@ -200,7 +196,7 @@ class ModelFingerprint:
             )
         for name in ("num_hidden_layers", "hidden_size", "vocab_size"):
             value = getattr(self, name)
-            if not _is_int(value) or value < 1:
+            if not is_int(value) or value < 1:
                 raise SelfSpecConfigError(
                     f"{name} must be a positive integer, got {_json_type(value)} {value!r}"
                 )
@@ -333,13 +329,7 @@ class ModelFingerprint:
                 f"got {_json_type(d)}"
             )
         allowed = ("name",) + _COMPARED_FIELDS
-        unknown = [k for k in d if k not in allowed]
-        if unknown:
-            k = str(unknown[0])
-            raise ProfileError(
-                f"{where}: unknown key {k!r}{_did_you_mean(k, allowed)}; "
-                f"allowed keys: {', '.join(allowed)}"
-            )
+        check_known_keys(d, allowed, where, ProfileError)
         missing = [k for k in _COMPARED_FIELDS if k not in d]
         if missing:
             raise ProfileError(
@@ -406,15 +396,9 @@ class Profile:
                 f"{prefix}draft must be an object of default draft settings "
                 f"(keys: {', '.join(sorted(DRAFT_KEYS))}), got {_json_type(self.draft)}"
             )
-        allowed = sorted(DRAFT_KEYS)
-        for key in self.draft:
-            if key not in DRAFT_KEYS:
-                raise ProfileError(
-                    f"{prefix}draft: unknown key {key!r}{_did_you_mean(str(key), allowed)}; "
-                    f"allowed keys: {', '.join(allowed)}"
-                )
+        check_known_keys(self.draft, sorted(DRAFT_KEYS), f"{prefix}draft", ProfileError)
         k = self.draft.get("num_speculative_tokens")
-        if k is not None and (not _is_int(k) or k < 1):
+        if k is not None and (not is_int(k) or k < 1):
             raise ProfileError(
                 f"{prefix}draft.num_speculative_tokens must be an integer >= 1, got {k!r}"
             )
@@ -532,12 +516,7 @@ def _profile_from_data(data: Any, name: str, path: str) -> Profile:
     if not isinstance(data, dict):
         raise ProfileError(f"{label}: the top level must be a JSON object, got {_json_type(data)}")
     allowed = _REQUIRED_KEYS + _OPTIONAL_KEYS
-    unknown = [k for k in data if k not in allowed]
-    if unknown:
-        raise ProfileError(
-            f"{label}: unknown key {unknown[0]!r}{_did_you_mean(unknown[0], allowed)}; "
-            f"allowed keys: {', '.join(allowed)}"
-        )
+    check_known_keys(data, allowed, label, ProfileError)
     missing = [k for k in _REQUIRED_KEYS if k not in data]
     if missing:
         raise ProfileError(
@@ -545,7 +524,7 @@ def _profile_from_data(data: Any, name: str, path: str) -> Profile:
             f"{', '.join(_REQUIRED_KEYS)} (and optionally {', '.join(_OPTIONAL_KEYS)})"
         )
     version = data["schema_version"]
-    if not _is_int(version) or version != SCHEMA_VERSION:
+    if not is_int(version) or version != SCHEMA_VERSION:
         raise ProfileError(
             f"{label}: unsupported schema_version {version!r}; this version of vllm-selfspec "
             f"reads schema_version {SCHEMA_VERSION}"
@@ -622,7 +601,7 @@ def load_profile(name_or_path: str | os.PathLike[str]) -> Profile:
         if not Path(raw).expanduser().is_file():
             names = shipped_profile_names()
             raise ProfileError(
-                f"no shipped profile named {raw!r}{_did_you_mean(raw, names)}; {_not_found_hint()}"
+                f"no shipped profile named {raw!r}{did_you_mean(raw, names)}; {_not_found_hint()}"
             )
     path = Path(raw).expanduser()
     if not path.is_file():

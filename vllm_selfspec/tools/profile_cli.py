@@ -257,7 +257,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
         print(f"  {note}")
     if not (args.score or args.confirm):
         return 0
-    from vllm_selfspec.layers.search.matchness import SkipSet
+    from vllm_selfspec.layers.skip_set import SkipSet
 
     skip = SkipSet.of(profile.skip_attention, profile.skip_mlp)
     k = int(profile.draft.get("num_speculative_tokens", 4))

@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 _EXPORTS = {
-    "SkipSet": "matchness",
+    "SkipSet": "skip_set",
     "MatchnessScorer": "matchness",
     "Reference": "matchness",
     "generate_references": "matchness",
@@ -28,7 +28,7 @@ _EXPORTS = {
     "SearchConfig": "optimize",
     "LayerSearch": "optimize",
     "SearchResult": "optimize",
-    "Candidate": "optimize",
+    "ScoredSkipSet": "optimize",
     "make_profile": "output",
     "show_profile": "output",
     "validate_profile": "output",
@@ -45,4 +45,5 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module 'vllm_selfspec.layers.search' has no attribute {name!r}")
     import importlib
 
-    return getattr(importlib.import_module(f"vllm_selfspec.layers.search.{module}"), name)
+    package = "vllm_selfspec.layers" if module == "skip_set" else "vllm_selfspec.layers.search"
+    return getattr(importlib.import_module(f"{package}.{module}"), name)

@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_selfspec.layers.search.matchness import SkipSet
+from vllm_selfspec.layers.skip_set import SkipSet
 from vllm_selfspec.tools.spec_decode_counters import counter_delta, read_spec_decode_counters
 
 

@@ -42,7 +42,8 @@ from typing import Any
 import torch
 
 from vllm_selfspec.control.controller import expected_tokens
-from vllm_selfspec.layers.search.matchness import LayerSkipper, SkipSet, decoder_layers
+from vllm_selfspec.layers.search.matchness import LayerSkipper, decoder_layers
+from vllm_selfspec.layers.skip_set import SkipSet
 
 COST_KINDS = ("measured", "params")
 

@@ -30,11 +30,13 @@ import logging
 import math
 import os
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
+
+from vllm_selfspec.layers.skip_set import SkipSet
 
 logger = logging.getLogger("vllm.selfspec.search")
 
@@ -43,30 +45,6 @@ CONTEXTS = ("target", "draft")
 
 
 # ------------------------------------------------------------------------------------ skip sets
-
-
-class SkipSet(NamedTuple):
-    """The sub-layers a draft skips: sorted, duplicate-free 0-based layer indices."""
-
-    attention: tuple[int, ...] = ()
-    mlp: tuple[int, ...] = ()
-
-    @classmethod
-    def of(cls, attention: Iterable[int] = (), mlp: Iterable[int] = ()) -> SkipSet:
-        return cls(tuple(sorted({int(i) for i in attention})), tuple(sorted({int(i) for i in mlp})))
-
-    @property
-    def size(self) -> int:
-        return len(self.attention) + len(self.mlp)
-
-    def key(self) -> str:
-        """A compact, stable text key, e.g. ``'a:3,5|m:7'``."""
-        return (
-            f"a:{','.join(map(str, self.attention))}|m:{','.join(map(str, self.mlp))}"
-        )
-
-    def describe(self) -> str:
-        return f"attention {list(self.attention)}, MLP {list(self.mlp)}"
 
 
 # --------------------------------------------------------------------------- attention function

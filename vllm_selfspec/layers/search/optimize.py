@@ -47,7 +47,8 @@ from vllm_selfspec.layers.search.cost import (
     SpeedupEstimate,
     estimate_speedup,
 )
-from vllm_selfspec.layers.search.matchness import CONTEXTS, MatchnessScorer, Reference, SkipSet
+from vllm_selfspec.layers.search.matchness import CONTEXTS, MatchnessScorer, Reference
+from vllm_selfspec.layers.skip_set import SkipSet
 
 logger = logging.getLogger("vllm.selfspec.search")
 
@@ -113,7 +114,7 @@ class SearchConfig:
 
 
 @dataclass
-class Candidate:
+class ScoredSkipSet:
     """A scored skip set."""
 
     skip: SkipSet
@@ -141,9 +142,9 @@ class Candidate:
 @dataclass
 class SearchResult:
     config: SearchConfig
-    best: Candidate
-    top: list[Candidate]
-    trials: list[Candidate]  # every completed trial, in order
+    best: ScoredSkipSet
+    top: list[ScoredSkipSet]
+    trials: list[ScoredSkipSet]  # every completed trial, in order
     cost_model: LinearCostModel
     prompt_source: str
     num_positions: int
@@ -205,8 +206,8 @@ class LayerSearch:
         self.log = log or (lambda msg: logger.info("%s", msg))
         self.model = model
         self.tokenizer = tokenizer
-        self._cache: dict[SkipSet, Candidate] = {}
-        self._trials: list[Candidate] = []  # scored trials (no duplicates), in order
+        self._cache: dict[SkipSet, ScoredSkipSet] = {}
+        self._trials: list[ScoredSkipSet] = []  # scored trials (no duplicates), in order
         self._duplicates = 0
         self._deadline: float | None = None
         self._bar: Any = None
@@ -323,7 +324,7 @@ class LayerSearch:
         return result.matchness, estimate_speedup(result.matchness, c_draft, self.cost,
                                                   self.config.k_max)
 
-    def _record(self, cand: Candidate) -> None:
+    def _record(self, cand: ScoredSkipSet) -> None:
         if cand.duplicate:
             self._duplicates += 1
             return
@@ -338,7 +339,7 @@ class LayerSearch:
                     f"{len(best.skip.attention)} attn + {len(best.skip.mlp)} mlp)"
                 )
 
-    def _tell(self, trial: Any, skip: SkipSet, phase: str) -> Candidate:
+    def _tell(self, trial: Any, skip: SkipSet, phase: str) -> ScoredSkipSet:
         import optuna
 
         cached = self._cache.get(skip)
@@ -359,7 +360,7 @@ class LayerSearch:
             "seconds": round(time.perf_counter() - t0, 4),
         })
         self.study.tell(trial, est.speedup)
-        cand = Candidate(skip, a, c_draft, est.speedup, est.k, trial.number, phase,
+        cand = ScoredSkipSet(skip, a, c_draft, est.speedup, est.k, trial.number, phase,
                          duplicate=cached is not None)
         self._record(cand)
         return cand
@@ -370,7 +371,7 @@ class LayerSearch:
             return 0
         return left
 
-    def evaluate(self, skip: SkipSet, phase: str) -> Candidate | None:
+    def evaluate(self, skip: SkipSet, phase: str) -> ScoredSkipSet | None:
         """Score a fixed skip set as a trial (cached sets cost nothing and add no trial)."""
         if skip in self._cache:
             return self._cache[skip]
@@ -400,17 +401,17 @@ class LayerSearch:
             attrs = t.user_attrs.get("score")
             if not attrs:
                 continue
-            cand = Candidate(skip, float(attrs["acceptance"]), float(attrs["c_draft"]),
+            cand = ScoredSkipSet(skip, float(attrs["acceptance"]), float(attrs["c_draft"]),
                              float(t.value), int(attrs["k"]), t.number, attrs.get("phase", ""),
                              duplicate=bool(attrs.get("duplicate")))
             self._record(cand)
 
     # ---- results -----------------------------------------------------------------------------
-    def best(self) -> Candidate | None:
+    def best(self) -> ScoredSkipSet | None:
         ranked = self.ranked()
         return ranked[0] if ranked else None
 
-    def ranked(self) -> list[Candidate]:
+    def ranked(self) -> list[ScoredSkipSet]:
         """Unique non-empty candidates, best estimated speedup first (ties: higher acceptance)."""
         cands = [c for c in self._cache.values() if c.skip.size]
         return sorted(cands, key=lambda c: (-c.speedup, -c.acceptance, c.trial))
@@ -424,7 +425,7 @@ class LayerSearch:
                 return
             yield
         if cfg.probes:
-            probes: list[tuple[str, int, Candidate]] = []
+            probes: list[tuple[str, int, ScoredSkipSet]] = []
             for layer in self.searchable:
                 for kind in ("attn", "mlp"):
                     skip = SkipSet.of([layer]) if kind == "attn" else SkipSet.of((), [layer])

@@ -5,16 +5,16 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from vllm_selfspec.layers.search.optimize import Candidate
+from vllm_selfspec.layers.search.optimize import ScoredSkipSet
 
 _PHASE_COLORS = {"seed": "tab:purple", "probe": "tab:gray", "greedy": "tab:orange",
                  "tpe": "tab:blue", "gp": "tab:blue", "local": "tab:green"}
 
 
 def plot_search(
-    trials: Sequence[Candidate],
-    best: Candidate,
-    top: Sequence[Candidate],
+    trials: Sequence[ScoredSkipSet],
+    best: ScoredSkipSet,
+    top: Sequence[ScoredSkipSet],
     num_layers: int,
     path: str | os.PathLike[str],
     title: str = "",
