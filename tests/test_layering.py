@@ -30,6 +30,13 @@ CORE_MODULES = (
     "vllm_selfspec.tools.spec_decode_counters",
 )
 FORBIDDEN_IN_CORE = ("vllm", "torch")
+# The only modules that import vLLM (anywhere in the file): what touches vLLM stays in one place.
+VLLM_IMPORTERS_PACKAGES = ("vllm_selfspec.plugin", "vllm_selfspec.drafting")
+VLLM_IMPORTERS_MODULES = (
+    "vllm_selfspec.layers.online_scoring",  # the scoring passes' TP broadcast
+    "vllm_selfspec.layers.search.confirm",  # vLLM's public LLM API
+    "vllm_selfspec.tools.demo",  # vLLM's public LLM API
+)
 
 
 def _modules() -> dict[str, Path]:
@@ -143,3 +150,16 @@ def test_checks_catch_what_they_guard() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert find_cycle(graph) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_vllm_is_imported_only_where_listed() -> None:
+    importers = {
+        name
+        for name, path in _modules().items()
+        if "vllm" in {n.split(".")[0] for n in _imported(ast.parse(path.read_text()), False)}
+    }
+    allowed = {
+        m for m in importers if any(m.startswith(p + ".") for p in VLLM_IMPORTERS_PACKAGES)
+    } | set(VLLM_IMPORTERS_MODULES)
+    assert importers - allowed == set()
+    assert set(VLLM_IMPORTERS_MODULES) <= importers  # the list names no module that stopped
