@@ -7,7 +7,7 @@
 * Mixed batches: greedy requests next to sampled ones whose draft cap is smaller (so at later
   draft steps only greedy rows are still drafting), and a top-k-only sampled request. Both used to
   kill the engine (see vllm_selfspec/drafting/host_drafter.py and patch 6 in
-  vllm_selfspec/plugin/patches.py).
+  vllm_selfspec/plugin/patches/model_runner.py).
 * Aborts mid-draft: half of a drafting batch is aborted between engine steps; the other half
   must finish with plain vLLM's tokens, and the engine serves on (the tests after it).
 * The plugin's metrics are also there for the offline ``LLM`` (``LLM.get_metrics()``).

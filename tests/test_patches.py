@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from vllm_selfspec.plugin import engine_markers, patches
+from vllm_selfspec.plugin.patches import cpu_sampler, model_runner
 
 
 def test_entry_point_is_registered():
@@ -95,7 +96,7 @@ def test_lookahead_for_selfspec_only():
     assert prop.fget(_FakeVllmConfig(None)) == 0
 
 
-@pytest.mark.skipif(not patches.cpu_expand_bug_present(), reason="only on vLLM's CPU build")
+@pytest.mark.skipif(not cpu_sampler.cpu_expand_bug_present(), reason="only on vLLM's CPU build")
 def test_cpu_expand_workaround_fixes_float_expansion():
     import vllm.v1.sample.rejection_sampler as rs
     from vllm.platforms import current_platform
@@ -161,8 +162,8 @@ def test_steps_without_drafts_skip_the_rejection_sampler():
 
     runner = Runner()
     plain_steps: list[int] = []
-    patches.patch_runner_sample_without_drafts(runner, lambda: plain_steps.append(1))
-    patches.patch_runner_sample_without_drafts(runner, lambda: plain_steps.append(1))
+    model_runner.patch_runner_sample_without_drafts(runner, lambda: plain_steps.append(1))
+    model_runner.patch_runner_sample_without_drafts(runner, lambda: plain_steps.append(1))
     no_drafts = SimpleNamespace(max_spec_len=0)
     drafts = SimpleNamespace(max_spec_len=3)
     assert runner._sample("logits", no_drafts) == "logits"
@@ -185,10 +186,10 @@ def test_rejected_counts_from_sampled_tokens():
             [12, -1, -1, -1],  # no drafts (a prefill or drafting off): 0
         ]
     )
-    rejected = patches.rejected_from_sampled(sampled, [3, 3, 3, 0])
+    rejected = model_runner.rejected_from_sampled(sampled, [3, 3, 3, 0])
     assert rejected.tolist() == [2, 0, 3, 0]
     as_lists = [[5, 6], [7, 8, 9, 10], [11], [12]]
-    assert patches.rejected_from_sampled(as_lists, [3, 3, 3, 0]).tolist() == [2, 0, 3, 0]
+    assert model_runner.rejected_from_sampled(as_lists, [3, 3, 3, 0]).tolist() == [2, 0, 3, 0]
 
 
 def test_preparation_skipped_when_the_plan_runs_no_pass():
@@ -218,7 +219,7 @@ def test_preparation_skipped_when_the_plan_runs_no_pass():
 
     seen: list[object] = []
     runner = Runner()
-    patches.patch_runner_propose_without_drafts(runner, plan, seen.append)
+    model_runner.patch_runner_propose_without_drafts(runner, plan, seen.append)
     sched = SimpleNamespace(num_spec_tokens_to_schedule=4)
     cad = SimpleNamespace(batch_size=lambda: 2)
     sampled = torch.tensor([[1, 2, -1], [3, -1, -1]])

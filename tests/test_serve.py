@@ -88,8 +88,9 @@ FAULT_REQUESTS = 200
 # No request of the bursts carries a seed: on vLLM's CPU build a seeded request whose prefill is
 # chunked kills the engine core ("CPU Generator does not use offset", GPUModelRunner's rewind of a
 # discarded sample), plain engines included: the plain reference server died in one of four fault
-# bursts with seeds. Selfspec runners are patched (patches.patch_runner_cpu_discarded_generators);
-# plain vLLM is not ours to patch. Single seeded requests (SAMPLED_REQUESTS) are not chunked.
+# bursts with seeds. Selfspec runners are patched
+# (patches.model_runner.patch_runner_cpu_discarded_generators); plain vLLM is not ours to patch.
+# Single seeded requests (SAMPLED_REQUESTS) are not chunked.
 
 
 # --- the requests -------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from vllm_selfspec.plugin import patches
+from vllm_selfspec.plugin.patches import front_end
 
 NUM_LAYERS = 6
 
@@ -67,10 +68,8 @@ def test_stat_logger_only_for_selfspec_engines(model_dir):
     ours = [s for s in manager.stat_loggers if isinstance(s, SelfSpecStatLogger)]
     assert len(ours) == 1
     # the wrapper is installed once, whatever the number of calls
-    from vllm_selfspec.plugin.metrics import install
-
-    install()
-    install()
+    front_end.install_metrics()
+    front_end.install_metrics()
     assert getattr(StatLoggerManager.__init__, "_vllm_selfspec_patched", False)
     assert not getattr(StatLoggerManager.__init__.__wrapped__, "_vllm_selfspec_patched", False)
 
@@ -211,8 +210,8 @@ def test_request_validation_patch_is_idempotent(input_processors):
     from vllm.v1.engine.input_processor import InputProcessor
 
     first = (InputProcessor._validate_params, AsyncLLM.generate)
-    patches.install_request_validation()
-    patches.install_request_validation(only_if_imported=True)
+    front_end.install_request_validation()
+    front_end.install_request_validation(only_if_imported=True)
     assert (InputProcessor._validate_params, AsyncLLM.generate) == first
     for fn in first:
         assert getattr(fn, "_vllm_selfspec_patched", False)

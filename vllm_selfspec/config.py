@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from vllm_selfspec.control.controller import DEFAULT_EXIT_THRESHOLD, DEFAULT_TARGET_ACCEPTANCE
 from vllm_selfspec.control.source_choice import (
     DEFAULT_DRAFTS,
     DEFAULT_PROMPT_LOOKUP_MAX,
@@ -65,8 +66,7 @@ SUPPORTED_ARCHITECTURES = (
 )
 DEFAULT_NUM_SPECULATIVE_TOKENS = 4
 DEFAULT_ADAPTIVE = True
-DEFAULT_DRAFT_CONFIDENCE_THRESHOLD = 0.6
-DEFAULT_TARGET_ACCEPTANCE = 0.9
+DEFAULT_DRAFT_CONFIDENCE_THRESHOLD = DEFAULT_EXIT_THRESHOLD
 DEFAULT_DRAFT_SAMPLING = "probabilistic"
 DRAFT_SAMPLING_MODES = ("probabilistic", "argmax")
 LAYER_SELECTION_MODES = ("static", "online")

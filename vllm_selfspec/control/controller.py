@@ -105,6 +105,9 @@ logger = logging.getLogger("vllm.selfspec.controller")
 
 _OVERRIDE_KEYS = ("num_speculative_tokens", "adaptive", "draft_confidence_threshold")
 MAX_THRESHOLD = 0.999
+# The user-facing defaults of draft_confidence_threshold and target_acceptance (config.py).
+DEFAULT_EXIT_THRESHOLD = 0.6
+DEFAULT_TARGET_ACCEPTANCE = 0.9
 
 
 OVERRIDES_KEY = "selfspec"  # SamplingParams.extra_args[OVERRIDES_KEY]: the nested overrides
@@ -215,8 +218,8 @@ class ControllerConfig:
 
     k_max: int
     adaptive: bool = True
-    initial_threshold: float = 0.6
-    target_acceptance: float = 0.9
+    initial_threshold: float = DEFAULT_EXIT_THRESHOLD
+    target_acceptance: float = DEFAULT_TARGET_ACCEPTANCE
     eps: float = 0.01
     threshold_momentum: float = 0.9  # th = momentum*th + (1-momentum)*new
     m_decay: float = 0.5  # m = m_decay*m + (1-m_decay)*(acc/drafted)

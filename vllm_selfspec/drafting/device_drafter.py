@@ -25,7 +25,7 @@ Differences from vLLM's ``draft_model`` (each a method below, wrapping and deleg
   sends such a row back to position 0 and carries on at 1, 2, ... with real slots: harmless in a
   draft model's own cache, but in the target's it overwrote a request's first K/V (a wrong token
   was reproduced). vLLM hides this by switching drafting off for the whole batch near the end; we
-  do not (see ``patches.patch_runner_input_fits_in_drafter``).
+  do not (see ``patches.model_runner.patch_runner_input_fits_in_drafter``).
 * Draft lengths are planned per request and step before the pass (the draft-length controller:
   per-request caps, and with ``adaptive`` the acceptance- and cost-driven plan of the host
   drafter). The pass runs the longest planned length for every row (none at all when every
@@ -207,7 +207,8 @@ class SelfSpecDeviceProposer(DraftModelProposer):
         self._compiled: dict[tuple[frozenset[int], frozenset[int]], SelfDraftModel] = {}
         self._handed_lookup: set[str] = set()
         # the runner that built this drafter gets its instance patches from
-        # patches._patch_runner_init once its constructor returns (they call into this drafter)
+        # patches.model_runner._patch_runner_init once its constructor returns (they call into
+        # this drafter)
         logger.info("selfspec device drafter: %s, k=%d", self.settings.describe(), self.k_max)
 
     # --- model ------------------------------------------------------------------------------
@@ -299,7 +300,8 @@ class SelfSpecDeviceProposer(DraftModelProposer):
             self.counters["draft_passes"] += 1
             self.counters["draft_forwards"] += k_step
             # A pass planned before vLLM's preparation of its inputs is charged that preparation
-            # too: a step without a pass skips it (patches.patch_runner_propose_without_drafts).
+            # too: a step without a pass skips it
+            # (patches.model_runner.patch_runner_propose_without_drafts).
             pass_start = self._planned_at if planned else time.perf_counter()
             drafts = super().propose(
                 *args, num_speculative_tokens=k_step, num_rejected_tokens_gpu=None, **kwargs
@@ -315,11 +317,11 @@ class SelfSpecDeviceProposer(DraftModelProposer):
         self, k_limit: int, batch_size: int, num_rejected: torch.Tensor | None = None
     ) -> torch.Tensor | None:
         """The step's bookkeeping and plan, before vLLM prepares the pass's inputs (see
-        :func:`vllm_selfspec.plugin.patches.patch_runner_propose_without_drafts`; ``num_rejected``:
-        the
-        drafts each request had rejected this step, ``None`` when none were verified): the empty
-        drafts when no pass runs (lookup drafts are handed out by :meth:`trim`), else ``None``
-        (the plan is kept for :meth:`propose`, which vLLM calls next)."""
+        :func:`~vllm_selfspec.plugin.patches.model_runner.patch_runner_propose_without_drafts`;
+        ``num_rejected``: the drafts each request had rejected this step, ``None`` when none were
+        verified): the empty drafts when no pass runs (lookup drafts are handed out by
+        :meth:`trim`), else ``None`` (the plan is kept for :meth:`propose`, which vLLM calls
+        next)."""
         k_step = self._begin_step(num_rejected, k_limit)
         if k_step > 0:
             self._planned = k_step

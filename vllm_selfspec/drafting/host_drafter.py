@@ -31,7 +31,7 @@ from vllm_selfspec.drafting.cost_feed import CostFeed
 from vllm_selfspec.drafting.skip_forward import LayerSkipForward
 from vllm_selfspec.errors import SelfSpecConfigError
 from vllm_selfspec.plugin.engine_markers import ADDITIONAL_CONFIG_KEY
-from vllm_selfspec.plugin.patches import (
+from vllm_selfspec.plugin.patches.model_runner import (
     patch_runner_cpu_discarded_generators,
     patch_runner_input_fits_in_drafter,
     patch_runner_sample_without_drafts,

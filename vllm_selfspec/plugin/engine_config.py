@@ -85,8 +85,8 @@ def rewrite_selfspec_request(
                 "yet); use drafter 'host'"
             )
         # vLLM's draft-model path with the target as its own draft model; the runner patch
-        # (patches.install_device_drafter) swaps our proposer in, which loads no weights and
-        # allocates no KV of its own.
+        # (patches.model_runner.install_device_drafter) swaps our proposer in, which loads no
+        # weights and allocates no KV of its own.
         vllm_spec = {
             **passthrough,
             "method": "draft_model",

@@ -23,7 +23,8 @@ Where the numbers come from: every engine step the scheduler sends :class:`Sched
 ``decode requests - requests with drafts`` is the number of decoding requests without drafts; no
 extra traffic between the workers and the front end is needed.
 
-How the logger gets in: :func:`install` (patch 5 of :mod:`vllm_selfspec.plugin.patches`, run in the
+How the logger gets in: :func:`~vllm_selfspec.plugin.patches.front_end.install_metrics` (patch 5,
+run in the
 front-end process when a selfspec engine config is built) wraps ``StatLoggerManager.__init__`` and
 appends :class:`SelfSpecStatLogger` to the managers of engines whose speculative config is
 selfspec. vLLM's ``vllm.stat_logger_plugins`` entry-point
@@ -50,8 +51,6 @@ from typing import Any
 from prometheus_client import REGISTRY, Counter, Gauge
 from vllm.v1.metrics.loggers import AggregateStatLoggerBase
 
-from vllm_selfspec.plugin.engine_markers import is_selfspec_config, wants_device_drafter
-
 logger = logging.getLogger("vllm.selfspec.metrics")
 
 PREFIX = "vllm:selfspec_"
@@ -60,7 +59,6 @@ REQUESTS_DRAFTING_OFF = PREFIX + "requests_drafting_off"
 DECODE_REQUEST_STEPS = PREFIX + "decode_request_steps"
 REQUEST_STEPS_DRAFTING_OFF = PREFIX + "request_steps_drafting_off"
 
-_SENTINEL = "_vllm_selfspec_patched"
 
 
 def _log_interval() -> float:
@@ -187,27 +185,3 @@ class SelfSpecStatLogger(AggregateStatLoggerBase):
             DECODE_REQUEST_STEPS,
             REQUEST_STEPS_DRAFTING_OFF,
         )
-
-
-def install() -> None:
-    """Wrap ``StatLoggerManager.__init__`` once per process (idempotent)."""
-    from vllm.v1.metrics.loggers import StatLoggerManager
-
-    original = StatLoggerManager.__init__
-    if getattr(original, _SENTINEL, False):
-        return
-
-    def __init__(self, vllm_config, *args, **kwargs):
-        original(self, vllm_config, *args, **kwargs)
-
-        spec = getattr(vllm_config, "speculative_config", None)
-        if not (is_selfspec_config(spec) or wants_device_drafter(vllm_config)):
-            return
-        try:
-            self.stat_loggers.append(SelfSpecStatLogger(vllm_config, self.engine_indexes))
-        except Exception:  # metrics must never stop an engine from starting
-            logger.exception("selfspec: could not set up the selfspec metrics")
-
-    setattr(__init__, _SENTINEL, True)
-    __init__.__wrapped__ = original  # type: ignore[attr-defined]
-    StatLoggerManager.__init__ = __init__
