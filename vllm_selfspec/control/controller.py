@@ -21,11 +21,10 @@ Two mechanisms, both per request:
    counts of accepted / tried draft positions, with an optimistic prior) gives the expected tokens
    of ``k`` drafts, ``E(k) = (1 - a**(k+1)) / (1 - a)`` (``k + 1`` when ``a == 1``). The costs are
    measured, not assumed (:mod:`vllm_selfspec.control.step_costs`, lower quartiles of recent
-   samples):
-   a plain decoding step of the batch,
-   a verification step as a function of the draft tokens it verifies (verification is *not* free:
-   on a CPU it grows almost linearly with the tokens), and a draft forward as a function of its
-   rows. A step of ``B`` requests in which request ``i`` drafts ``k_i`` tokens yields
+   samples): a plain decoding step of the batch, a verification step as a function of the draft
+   tokens it verifies (verification is *not* free: on a CPU it grows almost linearly with the
+   tokens), and a draft forward as a function of its rows. A step of ``B`` requests in which
+   request ``i`` drafts ``k_i`` tokens yields
    ``sum_i E(a_i, k_i)`` tokens in ``c_verify(B, sum k_i) + sum_j c_draft(rows drafting at j)``;
    :meth:`DraftLengthController.plan` picks the drafting requests (highest ``a`` first) and their
    common cap ``K`` that maximise tokens per second, against ``B / c_plain(B)`` for no drafting.
@@ -34,12 +33,9 @@ Two mechanisms, both per request:
    an unmeasured verification stands for) and the prior prices the draft forward at
    ``prior_cost_ratio`` plain steps with verification free.
    Drafting must beat plain decoding by ``min_gain`` (10%): closer to break-even the decision
-   would follow the noise of the measured costs. (5% until SmolLM2's shipped profile, whose
-   draft forward costs about 0.9 of a plain step, was planned to pay 1.05x on lower-quartile
-   costs and ran at 0.94x plain on HumanEval at batch 1; 0.97x with 10%, 5 repetitions each.
-   Prompt-lookup drafts, which cost verification only, keep a 5% margin:
-   :data:`vllm_selfspec.control.source_choice.LOOKUP_MIN_GAIN`.) A plan verifies at most twice the
-   draft tokens
+   would follow the noise of the measured costs (prompt-lookup drafts, which cost verification
+   only, keep 5%: :data:`vllm_selfspec.control.source_choice.LOOKUP_MIN_GAIN`; docs/design.md
+   gives the measurements behind both). A plan verifies at most twice the draft tokens
    per request measured so far at its batch size (at least one): a new batch size is learnt
    from cheap steps before a costly one is risked on costs borrowed from another size.
    A request whose drafts do not pay even when it is alone (``B = 1`` costs) is "off": it drafts
@@ -58,31 +54,27 @@ Two mechanisms, both per request:
    entry). The default of 32 (one step in 33 plain, 3%) is chosen with the recorder's age bound
    on plain samples (``StepCostRecorder.max_plain_age``, 256 measured steps): the baseline is then
    the lower quartile of the ~8 plain steps of the last 256 steps of the bucket, never older, and
-   stays measured when a few of those steps go unmeasured. With 64 and the recorder's 15-sample
-   window alone the baseline was ~1000 steps old; 64 under the same age bound would leave ~4
-   samples, one lost measurement from the 3 a key needs. A plain step taken while drafting
+   stays measured when a few of those steps go unmeasured. A plain step taken while drafting
    gives up that step's drafting gain: at a 1.5x speedup, 3% plain steps cost ~1% of the
-   throughput (~0.5% at 64: the bound on staleness costs ~0.5% more).
+   throughput.
 
 4. **Engine-wide acceptance prior** (``engine_prior``). A new request's acceptance estimate starts
    from the engine-wide per-token acceptance (discounted counts over every verification of every
    request) instead of the fixed optimistic ``prior_acceptance``, which is used only until the
    engine's first verification. A new request for which that prior already rules drafting out
    starts with drafting off, with the probe interval that failing probes last reached (reset to
-   ``probe_interval`` when a probe brings a request back). Without this every new request re-paid
-   the learning on a skip set whose drafts never land (measured on SmolLM2-135M with a bad skip
-   set: ~5 draft forwards per 48-token request, ~9% of the time at batch 1).
+   ``probe_interval`` when a probe brings a request back). Without this every new request re-pays
+   the learning on a skip set whose drafts never land.
 
 5. **Calibrated draft-exit floor** (``calibrated_exit``). The Draft & Verify threshold moves by
    ``0.1 * eps`` per verification, so with drafts that always land it takes hundreds of steps to
-   stop exiting early (measured: mean accepted length 3.4 of 5 on a model whose drafts are always
-   right). Every verified draft position also records the draft's top-1 probability and whether
-   it was accepted, engine-wide, in ``calibration_bins`` probability bins. The exit threshold a
-   request uses is ``min(th, floor)``, where ``floor`` is the lower edge of the lowest bin of the
-   run of well-measured bins, from the top, whose acceptance is at least ``target_acceptance``
-   (bins with too little data are passed over; 1.0 when no bin qualifies: then the paper's
-   threshold alone decides). Drafts of
-   0.3 confidence that land 95% of the time no longer stop a round.
+   stop exiting early. Every verified draft position also records the draft's top-1 probability and
+   whether it was accepted, engine-wide, in ``calibration_bins`` probability bins. The exit
+   threshold a request uses is ``min(th, floor)``, where ``floor`` is the lower edge of the lowest
+   bin of the run of well-measured bins, from the top, whose acceptance is at least
+   ``target_acceptance`` (bins with too little data are passed over; 1.0 when no bin qualifies: then
+   the paper's threshold alone decides). Drafts of 0.3 confidence that land 95% of the time no
+   longer stop a round.
 
 Everything is deterministic: the same sequence of calls gives the same plans on every
 tensor-parallel rank, provided every rank is given the same cost figures (measure on one rank and
@@ -472,8 +464,7 @@ class DraftLengthController:
     def set_step_costs(self, costs: StepCosts) -> None:
         """Plan with these measured costs from now on (a snapshot of a
         :class:`~vllm_selfspec.control.step_costs.StepCostRecorder`; give every tensor-parallel
-        rank the
-        same one).
+        rank the same one).
 
         Costs are combined only from a :meth:`StepCosts.comparable` table: a table with draft
         forwards (seconds) but no verification (then the unit 1.0) prices drafts with the prior

@@ -10,8 +10,7 @@ the draft-length controller planned, in expected tokens per unit of time (plain 
     layer skip:  E(a_skip, k) / (v(k) + k * r)      (1.0, plain decoding, when k == 0)
 
 ``E(a, k)`` is :func:`vllm_selfspec.control.controller.expected_tokens`, ``v(k)`` a step verifying
-``k``
-drafts per request and ``r`` one draft forward, both in plain steps of the batch (the
+``k`` drafts per request and ``r`` one draft forward, both in plain steps of the batch (the
 controller's measured costs). A lookup draft is taken when it pays at least as well as the
 layer-skip plan and beats plain decoding by :data:`LOOKUP_MIN_GAIN` (5%: its cost is a
 verification alone, whose estimate spreads less than a draft forward's; the controller asks 10%

@@ -2,8 +2,7 @@
 
 Both drafters measure step costs on their own worker (:class:`~vllm_selfspec.control.step_costs.
 StepCostRecorder`) and plan with a :class:`~vllm_selfspec.control.step_costs.StepCosts` snapshot.
-Every
-tensor-parallel rank must take the same decisions (a draft pass is a collective), so the table
+Every tensor-parallel rank must take the same decisions (a draft pass is a collective), so the table
 the controller gets is rank 0's, broadcast to the others, as soon as the recorder gains an entry
 (what a plan at a new batch size waits for; the event is the same on every rank, whose sample
 counts are equal) and every ``SYNC_INTERVAL`` steps for the estimates' drift.

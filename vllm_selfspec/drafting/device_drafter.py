@@ -39,11 +39,10 @@ Differences from vLLM's ``draft_model`` (each a method below, wrapping and deleg
 * With ``"drafts": "hybrid"`` (or ``"lookup"``) a request can draft by prompt lookup instead:
   its newest n-gram matched against its own earlier tokens (vLLM's ``ngram`` kernel,
   :mod:`vllm_selfspec.drafting.prompt_lookup`), taken when it pays at least as well as the
-  layer-skip
-  budget (:mod:`vllm_selfspec.control.source_choice`). Lookup rows get no layer-skip budget, a step
-  whose every
-  drafting request took a lookup runs no pass, and lookup drafts reach the rejection sampler as
-  deterministic proposals (:meth:`SelfSpecDeviceProposer.take_last_draft_probs`).
+  layer-skip budget (:mod:`vllm_selfspec.control.source_choice`). Lookup rows get no layer-skip
+  budget, a step whose every drafting request took a lookup runs no pass, and lookup drafts reach
+  the rejection sampler as deterministic proposals
+  (:meth:`SelfSpecDeviceProposer.take_last_draft_probs`).
 
 * With ``"layer_selection": "online"`` the skip set is searched while serving
   (:class:`~vllm_selfspec.layers.online_scoring.OnlineSelector`, as on the host drafter): the draft
@@ -490,8 +489,7 @@ class SelfSpecDeviceProposer(DraftModelProposer):
         with a lookup draft for ``drafts`` lookup; for hybrid, those whose lookup draft pays at
         least as well as their layer-skip budget, cut to the length that pays best
         (:func:`vllm_selfspec.control.source_choice.lookup_length`). None on the controller's
-        plain-step
-        measurements."""
+        plain-step measurements."""
         if not found or self.controller.explored_last_plan:
             return {}
         assert self.lookup_acceptance is not None

@@ -1,12 +1,11 @@
 """On-the-fly layer selection inside the drafter: scoring passes over verified tokens.
 
 :class:`OnlineSelector` drives :class:`~vllm_selfspec.layers.online_search.OnlineLayerSearch` from
-the
-drafter. Once per engine step (between the verification of the previous drafts and the next draft
-round, never inside a round) it may score candidate skip sets: for each candidate one draft-mode
-forward over a *window* of the most recent verified tokens of the running requests, teacher-forced
-(input: the tokens at positions ``q``), and matchness is the share of positions where the draft's
-argmax equals the reference's (below).
+the drafter. Once per engine step (between the verification of the previous drafts and the next
+draft round, never inside a round) it may score candidate skip sets: for each candidate one
+draft-mode forward over a *window* of the most recent verified tokens of the running requests,
+teacher-forced (input: the tokens at positions ``q``), and matchness is the share of positions where
+the draft's argmax equals the reference's (below).
 
 No KV is written: every scored position gets slot ``-1`` (in the attention metadata and in the
 forward context's per-layer slot mapping), which ``reshape_and_cache`` skips, so the verified
@@ -168,12 +167,12 @@ class OnlineSelector:
     ) -> SkipSet | None:
         """One engine step. ``decoding``: per row of the input batch, whether it sampled a token
         this step (False for a partial prefill: nothing to score); ``num_tokens_no_spec`` /
-        ``token_ids_cpu``:
-        the runner's token table, whose first ``num_tokens_no_spec[row]`` tokens of a row all
-        have the full model's K/V but the newest (scoring reads positions up to ``n - 2``);
-        ``verified``: (drafted, accepted) layer-skip drafts verified this step; ``timings``: a
-        draft forward's and a verification step's seconds as the drafter measures them (None:
-        not measured). Returns the new skip set to draft with, or None when it is unchanged."""
+        ``token_ids_cpu``: the runner's token table, whose first ``num_tokens_no_spec[row]`` tokens
+        of a row all have the full model's K/V but the newest (scoring reads positions up to
+        ``n - 2``); ``verified``: (drafted, accepted) layer-skip drafts verified this step;
+        ``timings``: a draft forward's and a verification step's seconds as the drafter measures
+        them (None: not measured). Returns the new skip set to draft with, or None when it is
+        unchanged."""
         search = self.search
         if search is None:
             return None
@@ -416,8 +415,8 @@ def score_forward(run: Any, window: dict[str, Any], cand: SkipSet) -> torch.Tens
     """Logits ``[tokens, vocab]`` of a draft-mode forward with skip set ``cand`` over ``window``,
     teacher-forced, reading the paged cache and writing no KV (slot -1 everywhere). ``run`` is
     :func:`~vllm_selfspec.drafting.batch_forward.skip_model_logits` bound to the runner and the
-    target
-    (``tests/online_kv_probe.py`` checks, byte for byte, that the paged cache is untouched)."""
+    target (``tests/online_kv_probe.py`` checks, byte for byte, that the paged cache is
+    untouched)."""
     rows: np.ndarray = window["rows"]
     lengths: np.ndarray = window["lengths"]
     positions: np.ndarray = window["positions"]

@@ -4,8 +4,7 @@ The drafter of a ``layer_selection="online"`` engine improves its skip set while
 idea, see the design notes section 4): between draft rounds it scores candidate skip sets by
 teacher-forced *matchness* over recently verified tokens (the scoring pass lives in
 :mod:`vllm_selfspec.layers.online_scoring`) and adopts a candidate when its estimated speedup beats
-the
-current one. This module decides *which* candidates to score and *when* to stop:
+the current one. This module decides *which* candidates to score and *when* to stop:
 
 * **Proposals.** One candidate per scoring pass by default. Most are random sets of the current
   budget (fresh random sets, and local moves: the incumbent grown / shrunk to the budget, or one

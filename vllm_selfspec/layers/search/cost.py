@@ -8,9 +8,8 @@ skip set) in units of a full-model 1-token step, and ``c_verify(k)``, the latenc
     E(a, k) / (k * c_draft + c_verify(k)),   E(a, k) = (1 - a**(k+1)) / (1 - a)
 
 (:func:`vllm_selfspec.control.controller.expected_tokens`), maximised over ``k = 1 .. k_max``: the
-speedup
-is what drafting achieves at its best draft length (below 1 when it cannot pay off; the serving
-controller then drafts nothing).
+speedup is what drafting achieves at its best draft length (below 1 when it cannot pay off; the
+serving controller then drafts nothing).
 
 Two models:
 

@@ -3,8 +3,7 @@
 Objective of a candidate skip set: the estimated speedup ``max_k E(a, k) / (k c_draft +
 c_verify(k))`` (:mod:`vllm_selfspec.layers.search.cost`) with ``a`` its teacher-forced matchness
 (:mod:`vllm_selfspec.layers.search.matchness`). The study lives in an SQLite file: stop the search
-at
-any time (Ctrl-C) and run the same command again to continue; the references (the full model's
+at any time (Ctrl-C) and run the same command again to continue; the references (the full model's
 continuations) and the calibrated cost model are stored in the study, so resumed trials are
 scored exactly like the first ones.
 
