@@ -1,7 +1,8 @@
 """Pure numbers and tables for the benchmarks (no vLLM, no torch; matplotlib only for plots).
 
-* :func:`expected_tokens`, :func:`ideal_speedup`: the speedup that a per-token acceptance ``a`` and
-  a draft/verify step cost ratio ``r`` allow: ``max_k E(k) / (k*r + 1)`` with
+* :func:`ideal_speedup` (the controller's :func:`~vllm_selfspec.control.controller.best_speedup`
+  with interpolated verification costs): the speedup that a per-token acceptance ``a`` and a
+  draft/verify step cost ratio ``r`` allow: ``max_k E(k) / (k*r + 1)`` with
   ``E(k) = (1 - a**(k+1)) / (1 - a)`` (``k + 1`` when ``a == 1``), ``k`` in ``0..k_max``
   (``k = 0`` is plain decoding, speedup 1).
 * :func:`per_token_acceptance`: the per-token acceptance ``a`` of the geometric model, estimated
@@ -19,17 +20,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from vllm_selfspec.control.controller import best_speedup
 from vllm_selfspec.control.step_costs import bucket
-
-
-def expected_tokens(a: float, k: int) -> float:
-    """Expected tokens per verification of ``k`` drafts with per-token acceptance ``a``."""
-    if k < 0:
-        raise ValueError(f"k must be >= 0, got {k}")
-    a = min(max(float(a), 0.0), 1.0)
-    if a >= 1.0:
-        return float(k + 1)
-    return (1.0 - a ** (k + 1)) / (1.0 - a)
 
 
 def ideal_speedup(a: float, r: float, k_max: int,
@@ -45,13 +37,10 @@ def ideal_speedup(a: float, r: float, k_max: int,
         raise ValueError(f"cost ratio must be finite and >= 0, got {r}")
     if verify_ratio <= 0 or not math.isfinite(verify_ratio):
         raise ValueError(f"verify ratio must be finite and > 0, got {verify_ratio}")
-    best, best_k = 1.0, 0
-    for k in range(1, int(k_max) + 1):
-        v = 1.0 + (verify_ratio - 1.0) * k / int(k_max)
-        s = expected_tokens(a, k) / (v + k * r)
-        if s > best * (1 + 1e-12):
-            best, best_k = s, k
-    return best, best_k
+    k_max = int(k_max)
+    return best_speedup(
+        a, k_max, draft_cost=r, verify_cost=lambda k: 1.0 + (verify_ratio - 1.0) * k / k_max
+    )
 
 
 def per_token_acceptance(

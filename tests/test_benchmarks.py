@@ -18,10 +18,10 @@ ROOT = Path(__file__).resolve().parents[1]
 # ------------------------------------------------------------------------- ideal-speedup math
 
 def test_expected_tokens():
-    assert analysis.expected_tokens(1.0, 4) == 5.0
-    assert analysis.expected_tokens(0.0, 4) == 1.0
-    assert analysis.expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
-    assert analysis.expected_tokens(0.9, 0) == 1.0
+    assert expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.0, 4) == 1.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+    assert expected_tokens(0.9, 0) == 1.0
 
 
 def test_ideal_speedup_known_values():
@@ -30,10 +30,10 @@ def test_ideal_speedup_known_values():
     # drafts that never land: no drafting is best
     assert analysis.ideal_speedup(0.0, 0.1, 8) == (1.0, 0)
     # free drafts: the longest draft wins
-    assert analysis.ideal_speedup(0.8, 0.0, 6) == (pytest.approx(analysis.expected_tokens(0.8, 6)),
+    assert analysis.ideal_speedup(0.8, 0.0, 6) == (pytest.approx(expected_tokens(0.8, 6)),
                                                    6)
     s, k = analysis.ideal_speedup(0.8, 0.2, 8)
-    brute = max(analysis.expected_tokens(0.8, j) / (j * 0.2 + 1) for j in range(9))
+    brute = max(expected_tokens(0.8, j) / (j * 0.2 + 1) for j in range(9))
     assert s == pytest.approx(brute) and 1 <= k <= 8
     with pytest.raises(ValueError):
         analysis.ideal_speedup(0.5, -1.0, 4)

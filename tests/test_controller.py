@@ -12,6 +12,7 @@ from vllm_selfspec.control.controller import (
     MAX_THRESHOLD,
     ControllerConfig,
     DraftLengthController,
+    best_speedup,
     expected_tokens,
     validate_request_overrides,
 )
@@ -117,6 +118,25 @@ def test_expected_tokens_edges() -> None:
     assert expected_tokens(0.0, 5) == 1.0
     assert expected_tokens(0.5, 0) == 1.0
     assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+
+
+@pytest.mark.parametrize("a", [0.0, 0.3, 0.7, 0.95, 1.0])
+@pytest.mark.parametrize("r", [0.0, 0.2, 0.9])
+def test_best_speedup_is_the_brute_force_argmax(a: float, r: float) -> None:
+    verify = lambda k: 1.0 + 0.4 * k  # noqa: E731  (verification grows with the tokens)
+    rates = [1.0] + [expected_tokens(a, k) / (verify(k) + k * r) for k in range(1, 7)]
+    rate, k = best_speedup(a, 6, draft_cost=r, verify_cost=verify)
+    assert rate == pytest.approx(max(rates)) and k == rates.index(max(rates))
+    # at least one draft: the best k >= 1 even where plain decoding would be better
+    rate1, k1 = best_speedup(a, 6, draft_cost=r, verify_cost=verify, allow_zero=False)
+    assert k1 >= 1 and rate1 == pytest.approx(max(rates[1:]))
+
+
+def test_best_speedup_edges() -> None:
+    assert best_speedup(1.0, 4, draft_cost=0.0) == (5.0, 4)  # free, always-right drafts
+    assert best_speedup(0.0, 4, draft_cost=0.1) == (1.0, 0)  # drafts that never land
+    assert best_speedup(1.0, 4, draft_cost=1.0)[1] == 0  # (k+1)/(k+1) ties go to k = 0
+    assert expected_tokens(-0.5, 3) == 1.0 and expected_tokens(1.5, 3) == 4.0  # a clamped
 
 
 def test_new_request_drafts() -> None:

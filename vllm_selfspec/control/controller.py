@@ -85,7 +85,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -283,10 +283,38 @@ class _Window:
 
 
 def expected_tokens(a: float, k: int) -> float:
-    """Expected tokens from one verification of ``k`` drafts, per-token acceptance ``a``."""
+    """Expected tokens from one verification of ``k`` drafts, per-token acceptance ``a``
+    (clamped to ``[0, 1]``)."""
+    a = min(max(a, 0.0), 1.0)
     if a >= 1.0:
         return float(k + 1)
     return (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+def best_speedup(
+    a: float,
+    k_max: int,
+    *,
+    draft_cost: float,
+    verify_cost: Callable[[int], float] | None = None,
+    allow_zero: bool = True,
+) -> tuple[float, int]:
+    """The one speedup model of a single request's draft length: ``(rate, k)`` maximising
+    ``E(a, k) / (verify_cost(k) + k * draft_cost)`` over ``k = 1 .. k_max``, costs in plain
+    decoding steps (``verify_cost`` None: verification free, 1.0). With ``allow_zero``, ``k = 0``
+    (plain decoding, rate 1.0) competes and wins unless drafting beats it. Ties go to the smaller
+    ``k`` (a rate must beat the best so far by a relative 1e-12).
+
+    The online search (verification free), the offline search (its linear cost model), prompt
+    lookup's length (``draft_cost`` 0) and the benchmark analysis call this; the controller's
+    batch plan extends it to a batch sharing one verification step."""
+    best, best_k = (1.0, 0) if allow_zero else (0.0, 0)
+    for k in range(1, int(k_max) + 1):
+        v = 1.0 if verify_cost is None else verify_cost(k)
+        rate = expected_tokens(a, k) / (v + k * draft_cost)
+        if rate > best * (1.0 + 1e-12):
+            best, best_k = rate, k
+    return best, best_k
 
 
 def _expected_tokens_array(a: np.ndarray, k: np.ndarray) -> np.ndarray:

@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from vllm_selfspec.control.controller import expected_tokens
+from vllm_selfspec.control.controller import best_speedup, expected_tokens
 
 DRAFT_SOURCES = ("layer_skip", "hybrid", "lookup")
 """``layer_skip``: drafts from the layer-skipping forward only (the default). ``lookup``: prompt
@@ -104,11 +104,9 @@ def lookup_length(
     ``verify_cost(k)`` and ``draft_cost`` in plain steps."""
     if lookup_len <= 0:
         return 0
-    best_len, best_rate = 0, 0.0
-    for j in range(1, lookup_len + 1):
-        rate = expected_tokens(lookup_acceptance, j) / verify_cost(j)
-        if rate > best_rate:
-            best_len, best_rate = j, rate
+    best_rate, best_len = best_speedup(
+        lookup_acceptance, lookup_len, draft_cost=0.0, verify_cost=verify_cost, allow_zero=False
+    )
     if skip_budget > 0:
         rate_skip = expected_tokens(skip_acceptance, skip_budget) / (
             verify_cost(skip_budget) + skip_budget * draft_cost

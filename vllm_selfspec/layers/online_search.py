@@ -44,7 +44,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from vllm_selfspec.control.controller import expected_tokens
+from vllm_selfspec.control.controller import best_speedup, expected_tokens
 from vllm_selfspec.errors import check_known_keys, is_int
 from vllm_selfspec.layers.skip_set import SkipSet
 
@@ -61,12 +61,7 @@ __all__ = [
 def estimated_speedup(a: float, c_draft: float, k_max: int) -> tuple[float, int]:
     """``(max over k in 1..k_max of E[tokens](a, k) / (k * c_draft + 1), that k)``; (1.0, 0) when
     no draft length beats plain decoding."""
-    best, best_k = 1.0, 0
-    for k in range(1, k_max + 1):
-        rate = expected_tokens(a, k) / (k * c_draft + 1.0)
-        if rate > best * (1.0 + 1e-12):
-            best, best_k = rate, k
-    return best, best_k
+    return best_speedup(a, k_max, draft_cost=c_draft)
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from vllm_selfspec.control.controller import expected_tokens
+from vllm_selfspec.control.controller import best_speedup, expected_tokens
 from vllm_selfspec.layers.search.matchness import LayerSkipper, decoder_layers
 from vllm_selfspec.layers.skip_set import SkipSet
 
@@ -261,11 +261,9 @@ def estimate_speedup(
     """The best ``k`` in ``1..k_max`` for ``E(a, k) / (k * c_draft + c_verify(k))``.
 
     Ties go to the smaller ``k``; at least one draft (below 1 when drafting cannot pay off)."""
-    a = min(max(acceptance, 0.0), 1.0)
-    best = SpeedupEstimate(0.0, 1, c_draft, expected_tokens(a, 1))
-    for k in range(1, k_max + 1):
-        e = expected_tokens(a, k)
-        s = e / (k * c_draft + cost.c_verify(k))
-        if s > best.speedup * (1.0 + 1e-12):
-            best = SpeedupEstimate(s, k, c_draft, e)
-    return best
+    if k_max < 1:
+        return SpeedupEstimate(0.0, 1, c_draft, expected_tokens(acceptance, 1))
+    speedup, k = best_speedup(
+        acceptance, k_max, draft_cost=c_draft, verify_cost=cost.c_verify, allow_zero=False
+    )
+    return SpeedupEstimate(speedup, k, c_draft, expected_tokens(acceptance, k))
