@@ -20,18 +20,16 @@ import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-import vllm_selfspec
+from vllm_selfspec.layers.profiles import load_profile
 
 pytestmark = pytest.mark.engine
 
 NUM_PROMPTS = 2
 MAX_TOKENS = 32
 TIMEOUT_S = 1200  # a cold run converts the model first
-PROFILES = Path(vllm_selfspec.__file__).parent / "profiles"
 
 
 def test_readme_demo_drafts_and_matches_plain(tmp_path):
@@ -68,7 +66,7 @@ def test_readme_demo_drafts_and_matches_plain(tmp_path):
     assert f"outputs identical   : {NUM_PROMPTS}/{NUM_PROMPTS}" in log, tail
     assert "acceptance rate" in log and "speedup" in log, tail
     # the converted model matched the shipped profile's fingerprint: its skip set drafted
-    profile = json.loads((PROFILES / "smollm2-135m-instruct.json").read_text())
-    ready = (f"skipping attention {profile['skip_attention']} and MLP {profile['skip_mlp']} "
-             f"of {profile['model']['num_hidden_layers']} layers")
+    profile = load_profile("smollm2-135m-instruct")  # as installed (top-level profiles/)
+    ready = (f"skipping attention {list(profile.skip_attention)} and MLP "
+             f"{list(profile.skip_mlp)} of {profile.model.num_hidden_layers} layers")
     assert ready in log, tail
