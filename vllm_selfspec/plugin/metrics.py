@@ -60,7 +60,6 @@ DECODE_REQUEST_STEPS = PREFIX + "decode_request_steps"
 REQUEST_STEPS_DRAFTING_OFF = PREFIX + "request_steps_drafting_off"
 
 
-
 def _log_interval() -> float:
     try:
         import vllm.envs as envs

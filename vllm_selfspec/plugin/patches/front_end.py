@@ -42,8 +42,6 @@ def install_metrics(only_if_imported: bool = False) -> None:
     """Wrap ``StatLoggerManager.__init__`` once per process (idempotent). Lazy on purpose:
     importing vLLM's metrics loggers costs about a second, and only front ends that build a
     selfspec engine (or imported them already) need the wrapper."""
-    import sys
-
     if only_if_imported and "vllm.v1.metrics.loggers" not in sys.modules:
         return
     try:
@@ -74,7 +72,6 @@ def install_metrics(only_if_imported: bool = False) -> None:
 
 
 # --- 7. per-request overrides refused when the request arrives (front end) ----------------------
-
 
 
 @functools.cache

@@ -46,7 +46,6 @@ if TYPE_CHECKING:
     import torch
 
 
-
 # --- 4. per-runner: do not switch drafting off for the whole batch ----------------------------
 
 
