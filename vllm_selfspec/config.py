@@ -14,16 +14,16 @@ a message that names the key, the value and what is allowed. The skip set comes 
 ``layer_selection="online"`` makes that set the starting point of the on-the-fly search (see
 :mod:`vllm_selfspec.layers.online_search`); it is the default in case 4 (nothing chose the set).
 
-Pure Python (stdlib only): importable without vLLM or torch.
+Pure Python plus pydantic (a vLLM dependency): importable without vLLM or torch.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, StrictStr, field_validator, model_validator
 
 from vllm_selfspec.control.controller import DEFAULT_EXIT_THRESHOLD, DEFAULT_TARGET_ACCEPTANCE
 from vllm_selfspec.control.source_choice import (
@@ -34,12 +34,18 @@ from vllm_selfspec.control.source_choice import (
 )
 from vllm_selfspec.errors import SelfSpecConfigError, check_known_keys, did_you_mean, is_int
 from vllm_selfspec.layers.profiles import (
+    DEFAULT_ADAPTIVE,
+    DEFAULT_DRAFT_SAMPLING,
+    DEFAULT_NUM_SPECULATIVE_TOKENS,
+    DRAFT_SAMPLING_MODES,
+    DraftKnobs,
     ModelFingerprint,
     Profile,
     check_layer_indices,
     find_shipped_profile,
     load_profile,
 )
+from vllm_selfspec.schema import PositiveInt
 
 __all__ = [
     "DEFAULT_ADAPTIVE",
@@ -64,11 +70,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
 )
-DEFAULT_NUM_SPECULATIVE_TOKENS = 4
-DEFAULT_ADAPTIVE = True
 DEFAULT_DRAFT_CONFIDENCE_THRESHOLD = DEFAULT_EXIT_THRESHOLD
-DEFAULT_DRAFT_SAMPLING = "probabilistic"
-DRAFT_SAMPLING_MODES = ("probabilistic", "argmax")
 LAYER_SELECTION_MODES = ("static", "online")
 DRAFTERS = ("host", "device")
 """``host``: the ``custom_class`` drafter (CPU lists, eager drafts; every feature). ``device``:
@@ -100,70 +102,9 @@ SELFSPEC_KEYS = frozenset(
 # ------------------------------------------------------------------------------ validators
 
 
-def _check_num_speculative_tokens(value: object, where: str) -> int:
-    if not is_int(value) or value < 1:  # type: ignore[operator]
-        raise SelfSpecConfigError(f"{where} must be an integer >= 1, got {value!r}")
-    return value  # type: ignore[return-value]
-
-
-def _check_bool(value: object, where: str) -> bool:
-    if not isinstance(value, bool):
-        raise SelfSpecConfigError(f"{where} must be true or false, got {value!r}")
-    return value
-
-
-def _check_fraction(value: object, where: str, *, low_open: bool, high_open: bool) -> float:
-    interval = f"{'(' if low_open else '['}0, 1{')' if high_open else ']'}"
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if ok:
-        x = float(value)  # type: ignore[arg-type]
-        ok = (
-            math.isfinite(x)
-            and (x > 0 if low_open else x >= 0)
-            and (x < 1 if high_open else x <= 1)
-        )
-    if not ok:
-        raise SelfSpecConfigError(f"{where} must be a number in {interval}, got {value!r}")
-    return float(value)  # type: ignore[arg-type]
-
-
-def _check_draft_confidence_threshold(value: object, where: str) -> float:
-    return _check_fraction(value, where, low_open=False, high_open=True)
-
-
-def _check_target_acceptance(value: object, where: str) -> float:
-    return _check_fraction(value, where, low_open=True, high_open=False)
-
-
-def _check_draft_sampling(value: object, where: str) -> str:
-    if value not in DRAFT_SAMPLING_MODES or not isinstance(value, str):
-        allowed = " or ".join(repr(m) for m in DRAFT_SAMPLING_MODES)
-        raise SelfSpecConfigError(f"{where} must be {allowed}, got {value!r}")
-    return value
-
-
-def _check_drafter(value: object, where: str) -> str:
-    if not isinstance(value, str) or value not in DRAFTERS:
-        allowed = " or ".join(repr(m) for m in DRAFTERS)
-        raise SelfSpecConfigError(f"{where} must be {allowed}, got {value!r}")
-    return value
-
-
-def _check_drafts(value: object, where: str) -> str:
-    if not isinstance(value, str) or value not in DRAFT_SOURCES:
-        allowed = ", ".join(repr(m) for m in DRAFT_SOURCES)
-        raise SelfSpecConfigError(f"{where} must be one of {allowed}, got {value!r}")
-    return value
-
-
-def _check_prompt_lookup(low: object, high: object) -> None:
-    for key, value in (("prompt_lookup_min", low), ("prompt_lookup_max", high)):
-        if not is_int(value) or value < 1:  # type: ignore[operator]
-            raise SelfSpecConfigError(f"{key} must be an integer >= 1, got {value!r}")
-    if low > high:  # type: ignore[operator]
-        raise SelfSpecConfigError(
-            f"prompt_lookup_min={low} must be <= prompt_lookup_max={high}"
-        )
+def _check(key: str, value: object, where: str | None = None) -> Any:
+    """``value`` validated as the settings' field ``key`` (``where``: its name in messages)."""
+    return SelfSpecSettings.check_value(key, value, where)
 
 
 def _prompt_lookup_sizes(given: Mapping[str, Any]) -> tuple[int, int]:
@@ -175,24 +116,6 @@ def _prompt_lookup_sizes(given: Mapping[str, Any]) -> tuple[int, int]:
     if high is None:
         high = max(DEFAULT_PROMPT_LOOKUP_MAX, low) if is_int(low) else DEFAULT_PROMPT_LOOKUP_MAX
     return low, high
-
-
-def _check_layer_selection(value: object, where: str) -> str:
-    if not isinstance(value, str) or value not in LAYER_SELECTION_MODES:
-        allowed = " or ".join(repr(m) for m in LAYER_SELECTION_MODES)
-        raise SelfSpecConfigError(f"{where} must be {allowed}, got {value!r}")
-    return value
-
-
-def _check_online_search(value: object, where: str) -> dict[str, Any] | None:
-    from vllm_selfspec.layers.online_search import OnlineSearchConfig
-
-    if value is None:
-        return None
-    try:
-        return OnlineSearchConfig.from_dict(value).to_dict()  # type: ignore[arg-type]
-    except (TypeError, ValueError) as exc:
-        raise SelfSpecConfigError(str(exc)) from None
 
 
 def _check_profile_out(value: object, where: str) -> str | None:
@@ -237,69 +160,82 @@ def _check_online_fits(online: Mapping[str, Any] | None, n_layers: int) -> None:
 # ------------------------------------------------------------------------------- settings
 
 
-@dataclass(frozen=True)
-class SelfSpecSettings:
+_REQUIRED = ("num_speculative_tokens", "skip_attention", "skip_mlp", "source", "num_hidden_layers")
+
+
+_POSITIONAL = (
+    "num_speculative_tokens", "skip_attention", "skip_mlp", "source", "num_hidden_layers"
+)
+
+
+class SelfSpecSettings(DraftKnobs):
     """Resolved, validated selfspec settings (what the proposer in each worker runs with).
 
-    Construction validates every field and sorts the skip lists; :meth:`to_dict` /
-    :meth:`from_dict` round-trip through JSON.
+    Each field is declared once, with its type, range and default (see
+    :mod:`vllm_selfspec.schema`): the draft knobs in
+    :class:`~vllm_selfspec.layers.profiles.DraftKnobs` (a profile's ``draft`` defaults are
+    checked against the same fields), the rest here. Construction validates every field and sorts
+    the skip lists; :meth:`to_dict` / :meth:`from_dict` round-trip through JSON. The first five
+    fields may be given by position (``SelfSpecSettings(4, (5, 2), (), "test", 8)``).
     """
 
-    num_speculative_tokens: int
+    POSITIONAL = _POSITIONAL
+
     skip_attention: tuple[int, ...]
     skip_mlp: tuple[int, ...]
-    source: str
-    num_hidden_layers: int
-    adaptive: bool = DEFAULT_ADAPTIVE
-    draft_confidence_threshold: float = DEFAULT_DRAFT_CONFIDENCE_THRESHOLD
-    target_acceptance: float = DEFAULT_TARGET_ACCEPTANCE
-    draft_sampling: str = DEFAULT_DRAFT_SAMPLING
-    layer_selection: str = "static"
+    source: Annotated[StrictStr, Field(description="a string")]
+    num_hidden_layers: PositiveInt
+    layer_selection: Literal[LAYER_SELECTION_MODES] = "static"
     online_search: dict[str, Any] | None = None
     online_profile_out: str | None = None
-    drafter: str = DEFAULT_DRAFTER
-    drafts: str = DEFAULT_DRAFTS
-    prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP_MIN
-    prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP_MAX
+    drafter: Literal[DRAFTERS] = DEFAULT_DRAFTER
+    drafts: Literal[DRAFT_SOURCES] = DEFAULT_DRAFTS
+    prompt_lookup_min: PositiveInt = DEFAULT_PROMPT_LOOKUP_MIN
+    prompt_lookup_max: PositiveInt = DEFAULT_PROMPT_LOOKUP_MAX
 
-    def __post_init__(self) -> None:
-        n = self.num_hidden_layers
-        if not is_int(n) or n < 1:
-            raise SelfSpecConfigError(f"num_hidden_layers must be an integer >= 1, got {n!r}")
+    @model_validator(mode="before")
+    @classmethod
+    def _layers(cls, data: Any) -> Any:
+        """The skip lists need the depth: checked (and sorted) first, with their own messages."""
+        if not isinstance(data, Mapping) or "num_hidden_layers" not in data:
+            return data  # pydantic reports the missing field
+        n = cls.check_value("num_hidden_layers", data["num_hidden_layers"])
+        data = dict(data)
         for key in ("skip_attention", "skip_mlp"):
-            indices = check_layer_indices(getattr(self, key), key=key, num_hidden_layers=n)
-            object.__setattr__(self, key, indices)
-        if len(self.skip_attention) == n and len(self.skip_mlp) == n:
+            if key in data:
+                data[key] = check_layer_indices(data[key], key=key, num_hidden_layers=n)
+        if len(data.get("skip_attention", ())) == n and len(data.get("skip_mlp", ())) == n:
             raise SelfSpecConfigError(
                 f"skip_attention and skip_mlp together skip every sub-layer of all {n} layers, "
                 f"so the draft would not run the model at all; keep at least one attention or "
                 f"MLP sub-layer (valid layer indices are 0..{n - 1})"
             )
-        if not isinstance(self.source, str):
-            raise SelfSpecConfigError(f"source must be a string, got {self.source!r}")
-        _check_num_speculative_tokens(self.num_speculative_tokens, "num_speculative_tokens")
-        _check_bool(self.adaptive, "adaptive")
-        object.__setattr__(
-            self,
-            "draft_confidence_threshold",
-            _check_draft_confidence_threshold(
-                self.draft_confidence_threshold, "draft_confidence_threshold"
-            ),
-        )
-        object.__setattr__(
-            self,
-            "target_acceptance",
-            _check_target_acceptance(self.target_acceptance, "target_acceptance"),
-        )
-        _check_draft_sampling(self.draft_sampling, "draft_sampling")
-        _check_layer_selection(self.layer_selection, "layer_selection")
-        object.__setattr__(
-            self, "online_search", _check_online_search(self.online_search, "online_search")
-        )
-        _check_profile_out(self.online_profile_out, "online_profile_out")
-        _check_drafter(self.drafter, "drafter")
-        _check_drafts(self.drafts, "drafts")
-        _check_prompt_lookup(self.prompt_lookup_min, self.prompt_lookup_max)
+        return data
+
+    @field_validator("online_search", mode="before")
+    @classmethod
+    def _online_search(cls, value: Any) -> Any:
+        from vllm_selfspec.layers.online_search import OnlineSearchConfig
+
+        if value is None:
+            return None
+        try:
+            return OnlineSearchConfig.from_dict(value).to_dict()
+        except ValueError as exc:
+            raise SelfSpecConfigError(str(exc)) from None
+
+    @field_validator("online_profile_out", mode="before")
+    @classmethod
+    def _profile_out(cls, value: Any) -> Any:
+        return _check_profile_out(value, "online_profile_out")
+
+    @model_validator(mode="after")
+    def _combinations(self) -> SelfSpecSettings:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise SelfSpecConfigError(
+                f"prompt_lookup_min={self.prompt_lookup_min} must be <= "
+                f"prompt_lookup_max={self.prompt_lookup_max}"
+            )
         if self.drafts != "layer_skip" and self.drafter != "device":
             raise SelfSpecConfigError(
                 f"drafts={self.drafts!r} (prompt-lookup drafts) needs drafter 'device'; the "
@@ -312,10 +248,11 @@ class SelfSpecSettings:
                         f"{key} needs layer_selection='online' (layer_selection is "
                         f"{self.layer_selection!r})"
                     )
+        return self
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able dict (lists instead of tuples); :meth:`from_dict` inverts it."""
-        d = asdict(self)
+        d = self.model_dump()
         d["skip_attention"] = list(self.skip_attention)
         d["skip_mlp"] = list(self.skip_mlp)
         return d
@@ -326,10 +263,8 @@ class SelfSpecSettings:
         missing. Values are validated as on construction."""
         if not isinstance(d, Mapping):
             raise SelfSpecConfigError(f"selfspec settings must be a mapping, got {d!r}")
-        names = [f.name for f in fields(cls)]
-        check_known_keys(d, names, "selfspec settings")
-        required = ("num_speculative_tokens", "skip_attention", "skip_mlp", "source")
-        missing = [k for k in required + ("num_hidden_layers",) if k not in d]
+        check_known_keys(d, list(cls.model_fields), "selfspec settings")
+        missing = [k for k in _REQUIRED if k not in d]
         if missing:
             raise SelfSpecConfigError(f"selfspec settings: missing key(s) {', '.join(missing)}")
         return cls(**dict(d))
@@ -470,9 +405,9 @@ def resolve_settings(
 
     # Online selection: asked for, or the default when nothing chose the skip set (no explicit
     # lists, no profile given, no shipped profile matched); the chosen set is its starting point.
-    drafter = _check_drafter(given.get("drafter", DEFAULT_DRAFTER), "drafter")
+    drafter = _check("drafter", given.get("drafter", DEFAULT_DRAFTER))
     if "layer_selection" in given:
-        layer_selection = _check_layer_selection(given["layer_selection"], "layer_selection")
+        layer_selection = _check("layer_selection", given["layer_selection"])
     elif not lists and "profile" not in given and profile is None and n_layers >= 4:
         layer_selection = "online"
     else:
@@ -482,20 +417,20 @@ def resolve_settings(
 
     draft_defaults = profile.draft if profile is not None else {}
 
-    def pick(key: str, default: Any) -> tuple[Any, str]:
+    def pick(key: str, default: Any = None) -> Any:
+        """A draft knob: the user's value, else the profile's ``draft`` default (checked here,
+        so that a message names the profile), else the default."""
         if key in given:
-            return given[key], key
+            return given[key]
         if key in draft_defaults:
             assert profile is not None
-            return draft_defaults[key], f"{profile.label}: draft.{key}"
-        return default, key
+            return _check(key, draft_defaults[key], f"{profile.label}: draft.{key}")
+        return SelfSpecSettings.model_fields[key].default if default is None else default
 
     if num_speculative_tokens is not None:
-        k = _check_num_speculative_tokens(num_speculative_tokens, "num_speculative_tokens")
+        k = num_speculative_tokens
     else:
-        k = _check_num_speculative_tokens(
-            *pick("num_speculative_tokens", DEFAULT_NUM_SPECULATIVE_TOKENS)
-        )
+        k = pick("num_speculative_tokens", DEFAULT_NUM_SPECULATIVE_TOKENS)
     lookup_min, lookup_max = _prompt_lookup_sizes(given)
     settings = SelfSpecSettings(
         num_speculative_tokens=k,
@@ -504,22 +439,18 @@ def resolve_settings(
         source=source,
         num_hidden_layers=n_layers,
         adaptive=(
-            _check_bool(*pick("adaptive", DEFAULT_ADAPTIVE))
+            pick("adaptive")
             if drafter == "host" or "adaptive" in given
             else False  # the device drafter drafts k fixed unless asked (adaptive: experimental)
         ),
-        draft_confidence_threshold=_check_draft_confidence_threshold(
-            *pick("draft_confidence_threshold", DEFAULT_DRAFT_CONFIDENCE_THRESHOLD)
-        ),
-        target_acceptance=_check_target_acceptance(
-            *pick("target_acceptance", DEFAULT_TARGET_ACCEPTANCE)
-        ),
-        draft_sampling=_check_draft_sampling(*pick("draft_sampling", DEFAULT_DRAFT_SAMPLING)),
+        draft_confidence_threshold=pick("draft_confidence_threshold"),
+        target_acceptance=pick("target_acceptance"),
+        draft_sampling=pick("draft_sampling"),
         layer_selection=layer_selection,
         online_search=given.get("online_search"),
         online_profile_out=given.get("online_profile_out"),
         drafter=drafter,
-        drafts=_check_drafts(given.get("drafts", DEFAULT_DRAFTS), "drafts"),
+        drafts=given.get("drafts", DEFAULT_DRAFTS),
         prompt_lookup_min=lookup_min,
         prompt_lookup_max=lookup_max,
     )

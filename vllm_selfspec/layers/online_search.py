@@ -41,12 +41,14 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, fields
-from typing import Any
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from pydantic import Field, StrictBool, model_validator
 
 from vllm_selfspec.control.controller import best_speedup, expected_tokens
-from vllm_selfspec.errors import check_known_keys, is_int
 from vllm_selfspec.layers.skip_set import SkipSet
+from vllm_selfspec.schema import NonNegativeInt, PositiveInt, Schema, fraction
 
 __all__ = [
     "SkipSet",
@@ -103,68 +105,43 @@ class SubLayerCosts:
 # ------------------------------------------------------------------------------------ config
 
 
-def _is_number(value: object) -> bool:
-    return (
-        isinstance(value, (int, float))
-        and not isinstance(value, bool)
-        and math.isfinite(float(value))
-    )
+_Fraction = fraction(low_open=True, high_open=False)  # (0, 1]
 
 
-@dataclass(frozen=True)
-class OnlineSearchConfig:
+class OnlineSearchConfig(Schema):
     """Knobs of the online search (the ``online_search`` mapping of a selfspec config)."""
 
-    seed: int = 0
-    target_matchness: float = 0.94
-    patience: int = 300
-    max_steps: int = 1000
-    bayes_every: int = 25
-    candidates_per_step: int = 1
-    overhead_share: float = 0.10
-    window: int = 32
-    max_window_tokens: int = 256
-    min_tokens: int = 32
-    incumbent_every: int = 8
-    budget: int | None = None
-    budget_trials: int = 20
-    protect_first: int = 1
-    protect_last: int = 1
-    restart_drop: float = 0.15
-    restart_window: int = 256
-    use_optuna: bool = True
+    WHERE = "online_search."
 
-    def __post_init__(self) -> None:
-        def bad(key: str, what: str) -> ValueError:
-            return ValueError(
-                f"online_search.{key} must be {what}, got {getattr(self, key)!r}"
-            )
+    seed: NonNegativeInt = 0
+    target_matchness: _Fraction = 0.94
+    patience: PositiveInt = 300
+    max_steps: PositiveInt = 1000
+    bayes_every: PositiveInt = 25
+    candidates_per_step: PositiveInt = 1
+    overhead_share: _Fraction = 0.10
+    window: PositiveInt = 32
+    max_window_tokens: PositiveInt = 256
+    min_tokens: NonNegativeInt = 32
+    incumbent_every: PositiveInt = 8
+    budget: Annotated[
+        PositiveInt | None, Field(description="null (adaptive) or an integer >= 1")
+    ] = None
+    budget_trials: PositiveInt = 20
+    protect_first: NonNegativeInt = 1
+    protect_last: NonNegativeInt = 1
+    restart_drop: _Fraction = 0.15
+    restart_window: PositiveInt = 256
+    use_optuna: StrictBool = True
 
-        positive_ints = (
-            "patience", "max_steps", "bayes_every", "candidates_per_step", "window",
-            "max_window_tokens", "incumbent_every", "budget_trials", "restart_window",
-        )
-        for key in positive_ints:
-            if not is_int(getattr(self, key)) or getattr(self, key) < 1:
-                raise bad(key, "an integer >= 1")
-        for key in ("seed", "min_tokens", "protect_first", "protect_last"):
-            if not is_int(getattr(self, key)) or getattr(self, key) < 0:
-                raise bad(key, "an integer >= 0")
-        if self.budget is not None and (not is_int(self.budget) or self.budget < 1):
-            raise bad("budget", "null (adaptive) or an integer >= 1")
-        if not _is_number(self.target_matchness) or not 0 < self.target_matchness <= 1:
-            raise bad("target_matchness", "a number in (0, 1]")
-        if not _is_number(self.overhead_share) or not 0 < self.overhead_share <= 1:
-            raise bad("overhead_share", "a number in (0, 1]")
-        if not _is_number(self.restart_drop) or not 0 < self.restart_drop <= 1:
-            raise bad("restart_drop", "a number in (0, 1]")
-        if not isinstance(self.use_optuna, bool):
-            raise bad("use_optuna", "true or false")
+    @model_validator(mode="after")
+    def _window_fits(self) -> OnlineSearchConfig:
         if self.max_window_tokens < self.window:
             raise ValueError(
                 f"online_search.max_window_tokens ({self.max_window_tokens}) must be >= "
                 f"online_search.window ({self.window})"
             )
+        return self
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None) -> OnlineSearchConfig:
@@ -172,12 +149,10 @@ class OnlineSearchConfig:
             return cls()
         if not isinstance(d, Mapping):
             raise ValueError(f"online_search must be a mapping of knobs, got {d!r}")
-        names = [f.name for f in fields(cls)]
-        check_known_keys(d, names, "online_search", ValueError)
-        return cls(**dict(d))
+        return cls.validated(d, label="online_search")
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return self.model_dump()
 
 
 # ------------------------------------------------------------------------------------ search

@@ -22,7 +22,7 @@ Profiles shipped with the package live in the top-level ``profiles/*.json`` (ins
 package ``vllm_selfspec.profiles``) and are addressed by
 that stem, e.g. ``load_profile("llama-2-13b.draft-verify")``.
 
-Pure Python (stdlib only): importable without vLLM or torch.
+Pure Python plus pydantic (a vLLM dependency): importable without vLLM or torch.
 """
 
 from __future__ import annotations
@@ -39,8 +39,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
+from pydantic import Field, StrictBool, StrictStr, field_validator
+
+from vllm_selfspec.control.controller import DEFAULT_EXIT_THRESHOLD, DEFAULT_TARGET_ACCEPTANCE
 from vllm_selfspec.errors import (
     ProfileError,
     SelfSpecConfigError,
@@ -48,6 +51,7 @@ from vllm_selfspec.errors import (
     did_you_mean,
     is_int,
 )
+from vllm_selfspec.schema import PositiveInt, Schema, fraction, json_type
 
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
@@ -68,18 +72,33 @@ __all__ = [
 
 logger = logging.getLogger("vllm.selfspec.profiles")
 
+_ExitThreshold = fraction(low_open=False, high_open=True)  # [0, 1)
+_TargetAcceptance = fraction(low_open=True, high_open=False)  # (0, 1]
+
 SCHEMA_VERSION = 1
 """The profile file format version this module reads and writes."""
 
-DRAFT_KEYS = frozenset(
-    {
-        "num_speculative_tokens",
-        "adaptive",
-        "draft_confidence_threshold",
-        "target_acceptance",
-        "draft_sampling",
-    }
-)
+DEFAULT_NUM_SPECULATIVE_TOKENS = 4
+DEFAULT_ADAPTIVE = True
+DEFAULT_DRAFT_SAMPLING = "probabilistic"
+DRAFT_SAMPLING_MODES = ("probabilistic", "argmax")
+
+
+class DraftKnobs(Schema):
+    """The draft settings, declared once: selfspec keys of a speculative config (the fields of
+    :class:`~vllm_selfspec.config.SelfSpecSettings`, which extends this model) and what a
+    profile's ``draft`` object may default."""
+
+    ERROR = SelfSpecConfigError
+
+    num_speculative_tokens: PositiveInt
+    adaptive: StrictBool = DEFAULT_ADAPTIVE
+    draft_confidence_threshold: _ExitThreshold = DEFAULT_EXIT_THRESHOLD
+    target_acceptance: _TargetAcceptance = DEFAULT_TARGET_ACCEPTANCE
+    draft_sampling: Literal[DRAFT_SAMPLING_MODES] = DEFAULT_DRAFT_SAMPLING
+
+
+DRAFT_KEYS = frozenset(DraftKnobs.model_fields)
 """Keys allowed in a profile's ``draft`` defaults (same meaning as the selfspec config keys)."""
 
 _COMPARED_FIELDS = ("architecture", "num_hidden_layers", "hidden_size", "vocab_size")
@@ -88,25 +107,6 @@ _OPTIONAL_KEYS = ("draft", "provenance")
 
 
 # --------------------------------------------------------------------------------------- helpers
-
-
-def _json_type(value: object) -> str:
-    """The JSON name of a value's type, for error messages."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int):
-        return "integer"
-    if isinstance(value, float):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, (list, tuple)):
-        return "array"
-    if isinstance(value, Mapping):
-        return "object"
-    return type(value).__name__
 
 
 def check_layer_indices(
@@ -129,14 +129,14 @@ def check_layer_indices(
     if not isinstance(value, (list, tuple)):
         raise error(
             f"{prefix}{key} must be a list of layer indices ({valid}), "
-            f"got {_json_type(value)} {value!r}"
+            f"got {json_type(value)} {value!r}"
         )
     seen: set[int] = set()
     duplicates: list[int] = []
     for i, item in enumerate(value):
         if not is_int(item):
             raise error(
-                f"{prefix}{key}[{i}] = {item!r} ({_json_type(item)}) is not an integer layer "
+                f"{prefix}{key}[{i}] = {item!r} ({json_type(item)}) is not an integer layer "
                 f"index; {valid}"
             )
         if item < 0:
@@ -173,8 +173,10 @@ def _checkpoint_key(name: str | None) -> str | None:
 # ------------------------------------------------------------------------------- fingerprint
 
 
-@dataclass(frozen=True)
-class ModelFingerprint:
+_Size = Annotated[PositiveInt, Field(description="a positive integer")]
+
+
+class ModelFingerprint(Schema):
     """The shape of a checkpoint that a skip profile depends on.
 
     Two fingerprints match when ``architecture``, ``num_hidden_layers``, ``hidden_size`` and
@@ -182,30 +184,34 @@ class ModelFingerprint:
     ``==``), though :func:`find_shipped_profile` uses it to tell same-shaped checkpoints apart.
     """
 
-    architecture: str
-    num_hidden_layers: int
-    hidden_size: int
-    vocab_size: int
-    name: str | None = field(default=None, compare=False)
+    ERROR = SelfSpecConfigError
+    POSITIONAL = ("architecture", "num_hidden_layers", "hidden_size", "vocab_size", "name")
+    JSON_TYPES = True
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.architecture, str) or not self.architecture:
-            raise SelfSpecConfigError(
-                f"architecture must be a non-empty string such as 'LlamaForCausalLM', "
-                f"got {_json_type(self.architecture)} {self.architecture!r}"
-            )
-        for name in ("num_hidden_layers", "hidden_size", "vocab_size"):
-            value = getattr(self, name)
-            if not is_int(value) or value < 1:
-                raise SelfSpecConfigError(
-                    f"{name} must be a positive integer, got {_json_type(value)} {value!r}"
-                )
-        if self.name is not None and not isinstance(self.name, str):
-            raise SelfSpecConfigError(
-                f"name must be a string or null, got {_json_type(self.name)} {self.name!r}"
-            )
-        if self.name == "":
-            object.__setattr__(self, "name", None)
+    architecture: Annotated[
+        StrictStr,
+        Field(min_length=1, description="a non-empty string such as 'LlamaForCausalLM'"),
+    ]
+    num_hidden_layers: _Size
+    hidden_size: _Size
+    vocab_size: _Size
+    name: Annotated[StrictStr | None, Field(description="a string or null")] = None
+
+    @field_validator("name")
+    @classmethod
+    def _empty_name(cls, value: str | None) -> str | None:
+        return value or None
+
+    def _compared(self) -> tuple[Any, ...]:
+        return tuple(getattr(self, key) for key in _COMPARED_FIELDS)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ModelFingerprint):
+            return NotImplemented
+        return self._compared() == other._compared()
+
+    def __hash__(self) -> int:
+        return hash(self._compared())
 
     @classmethod
     def from_hf_config(cls, hf_config: Any, name: str | None = None) -> ModelFingerprint:
@@ -326,7 +332,7 @@ class ModelFingerprint:
         if not isinstance(d, Mapping):
             raise ProfileError(
                 f"{where} must be an object with keys {', '.join(('name',) + _COMPARED_FIELDS)}, "
-                f"got {_json_type(d)}"
+                f"got {json_type(d)}"
             )
         allowed = ("name",) + _COMPARED_FIELDS
         check_known_keys(d, allowed, where, ProfileError)
@@ -394,17 +400,20 @@ class Profile:
         if not isinstance(self.draft, Mapping):
             raise ProfileError(
                 f"{prefix}draft must be an object of default draft settings "
-                f"(keys: {', '.join(sorted(DRAFT_KEYS))}), got {_json_type(self.draft)}"
+                f"(keys: {', '.join(sorted(DRAFT_KEYS))}), got {json_type(self.draft)}"
             )
         check_known_keys(self.draft, sorted(DRAFT_KEYS), f"{prefix}draft", ProfileError)
-        k = self.draft.get("num_speculative_tokens")
-        if k is not None and (not is_int(k) or k < 1):
-            raise ProfileError(
-                f"{prefix}draft.num_speculative_tokens must be an integer >= 1, got {k!r}"
-            )
+        # the draft length is checked here (a profile is useless with a bad one); the other
+        # knobs where they are used (config.resolve_settings), against the same declarations
+        if "num_speculative_tokens" in self.draft:
+            key = "num_speculative_tokens"
+            try:
+                DraftKnobs.check_value(key, self.draft[key], f"{prefix}draft.{key}")
+            except SelfSpecConfigError as exc:
+                raise ProfileError(str(exc)) from None
         if not isinstance(self.provenance, Mapping):
             raise ProfileError(
-                f"{prefix}provenance must be an object, got {_json_type(self.provenance)}"
+                f"{prefix}provenance must be an object, got {json_type(self.provenance)}"
             )
         for key in self.provenance:
             if not isinstance(key, str):
@@ -514,7 +523,7 @@ def _parse_json(text: str, label: str) -> Any:
 def _profile_from_data(data: Any, name: str, path: str) -> Profile:
     label = f"profile '{name}' ({path})"
     if not isinstance(data, dict):
-        raise ProfileError(f"{label}: the top level must be a JSON object, got {_json_type(data)}")
+        raise ProfileError(f"{label}: the top level must be a JSON object, got {json_type(data)}")
     allowed = _REQUIRED_KEYS + _OPTIONAL_KEYS
     check_known_keys(data, allowed, label, ProfileError)
     missing = [k for k in _REQUIRED_KEYS if k not in data]
@@ -586,7 +595,7 @@ def load_profile(name_or_path: str | os.PathLike[str]) -> Profile:
     """
     if not isinstance(name_or_path, (str, os.PathLike)):
         raise ProfileError(
-            f"profile must be a shipped profile name or a path, got {_json_type(name_or_path)} "
+            f"profile must be a shipped profile name or a path, got {json_type(name_or_path)} "
             f"{name_or_path!r}"
         )
     raw = os.fspath(name_or_path)
