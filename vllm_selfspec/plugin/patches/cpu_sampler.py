@@ -17,7 +17,7 @@
 
 from __future__ import annotations
 
-from vllm_selfspec.plugin.patches._shared import SENTINEL as _SENTINEL
+from vllm_selfspec.plugin.patches._shared import already_wrapped, install
 
 # --- 3. CPU rejection-sampler bug -------------------------------------------------------------
 
@@ -37,7 +37,7 @@ def _patch_cpu_expand_batch_to_tokens() -> None:
     import vllm.v1.sample.rejection_sampler as rejection_sampler
 
     original = rejection_sampler.expand_batch_to_tokens
-    if getattr(original, _SENTINEL, False):
+    if already_wrapped(original):
         return
 
     def expand_batch_to_tokens(x, cu_num_tokens, num_tokens, replace_from=0, replace_to=0):
@@ -49,9 +49,7 @@ def _patch_cpu_expand_batch_to_tokens() -> None:
             out = out.masked_fill(out == replace_from, replace_to)
         return out
 
-    setattr(expand_batch_to_tokens, _SENTINEL, True)
-    expand_batch_to_tokens.__wrapped__ = original  # type: ignore[attr-defined]
-    rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens
+    install(rejection_sampler, "expand_batch_to_tokens", expand_batch_to_tokens, original)
 
 
 # --- 6. CPU top-k-only on an empty batch of draft tokens ----------------------------------------
@@ -65,7 +63,7 @@ def _patch_cpu_empty_top_k_only() -> None:
     import vllm.v1.sample.ops.topk_topp_sampler as topk_topp_sampler
 
     original = topk_topp_sampler.apply_top_k_only
-    if getattr(original, _SENTINEL, False):
+    if already_wrapped(original):
         return
 
     def apply_top_k_only(logits, k):
@@ -73,6 +71,4 @@ def _patch_cpu_empty_top_k_only() -> None:
             return logits
         return original(logits, k)
 
-    setattr(apply_top_k_only, _SENTINEL, True)
-    apply_top_k_only.__wrapped__ = original  # type: ignore[attr-defined]
-    topk_topp_sampler.apply_top_k_only = apply_top_k_only
+    install(topk_topp_sampler, "apply_top_k_only", apply_top_k_only, original)

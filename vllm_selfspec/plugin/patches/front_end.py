@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from vllm_selfspec.plugin.engine_markers import is_selfspec_config, wants_device_drafter
-from vllm_selfspec.plugin.patches._shared import SENTINEL as _SENTINEL
+from vllm_selfspec.plugin.patches._shared import already_wrapped, install
 
 logger = logging.getLogger("vllm.selfspec.patches")
 
@@ -52,7 +52,7 @@ def install_metrics(only_if_imported: bool = False) -> None:
         logger.warning("selfspec metrics unavailable: %s", exc)
         return
     original = StatLoggerManager.__init__
-    if getattr(original, _SENTINEL, False):
+    if already_wrapped(original):
         return
 
     def __init__(self, vllm_config, *args, **kwargs):
@@ -66,9 +66,7 @@ def install_metrics(only_if_imported: bool = False) -> None:
         except Exception:  # metrics must never stop an engine from starting
             logger.exception("selfspec: could not set up the selfspec metrics")
 
-    setattr(__init__, _SENTINEL, True)
-    __init__.__wrapped__ = original  # type: ignore[attr-defined]
-    StatLoggerManager.__init__ = __init__
+    install(StatLoggerManager, "__init__", __init__, original)
 
 
 # --- 7. per-request overrides refused when the request arrives (front end) ----------------------
@@ -167,7 +165,7 @@ def _patch_input_processor_validation() -> None:
         logger.warning("vLLM's InputProcessor has no _validate_params: per-request selfspec "
                        "overrides are checked by the drafter only (invalid ones are ignored)")
         return
-    if getattr(original, _SENTINEL, False):
+    if already_wrapped(original):
         return
 
     @functools.wraps(original)
@@ -176,15 +174,14 @@ def _patch_input_processor_validation() -> None:
         check_sampling_params(self.vllm_config, params)
         return result
 
-    setattr(_validate_params, _SENTINEL, True)
-    InputProcessor._validate_params = _validate_params
+    install(InputProcessor, "_validate_params", _validate_params, original)
 
 
 def _patch_async_generate_validation() -> None:
     from vllm.v1.engine.async_llm import AsyncLLM
 
     original = AsyncLLM.generate
-    if getattr(original, _SENTINEL, False):
+    if already_wrapped(original):
         return
 
     @functools.wraps(original)
@@ -194,5 +191,4 @@ def _patch_async_generate_validation() -> None:
         check_sampling_params(self.vllm_config, sampling_params)
         return original(self, prompt, sampling_params, *args, **kwargs)
 
-    setattr(generate, _SENTINEL, True)
-    AsyncLLM.generate = generate
+    install(AsyncLLM, "generate", generate, original)

@@ -21,7 +21,7 @@ from vllm_selfspec.plugin.engine_markers import (
     METHOD_NAME,
     is_selfspec_config,
 )
-from vllm_selfspec.plugin.patches._shared import SENTINEL as _SENTINEL
+from vllm_selfspec.plugin.patches._shared import already_wrapped, install
 from vllm_selfspec.plugin.patches.front_end import install_metrics, install_request_validation
 
 # --- 1. the "selfspec" method alias -------------------------------------------------------------
@@ -31,7 +31,7 @@ def _patch_create_speculative_config(unsupported: str | None = None) -> None:
     from vllm.engine.arg_utils import EngineArgs
 
     original = EngineArgs.create_speculative_config
-    if getattr(original, _SENTINEL, False):
+    if already_wrapped(original):
         return
 
     def create_speculative_config(self, target_model_config, target_parallel_config):
@@ -53,9 +53,7 @@ def _patch_create_speculative_config(unsupported: str | None = None) -> None:
             install_request_validation()
         return original(self, target_model_config, target_parallel_config)
 
-    setattr(create_speculative_config, _SENTINEL, True)
-    create_speculative_config.__wrapped__ = original  # type: ignore[attr-defined]
-    EngineArgs.create_speculative_config = create_speculative_config
+    install(EngineArgs, "create_speculative_config", create_speculative_config, original)
 
 
 # --- 2. lookahead KV slots --------------------------------------------------------------------
@@ -65,7 +63,7 @@ def _patch_num_lookahead_tokens() -> None:
     from vllm.config import VllmConfig
 
     original = VllmConfig.num_lookahead_tokens
-    if getattr(original.fget, _SENTINEL, False):
+    if already_wrapped(original):
         return
 
     def num_lookahead_tokens(self) -> int:
@@ -73,6 +71,5 @@ def _patch_num_lookahead_tokens() -> None:
             return self.speculative_config.num_speculative_tokens
         return original.fget(self)
 
-    setattr(num_lookahead_tokens, _SENTINEL, True)
-    num_lookahead_tokens.__wrapped__ = original  # type: ignore[attr-defined]  (vLLM's property)
-    VllmConfig.num_lookahead_tokens = property(num_lookahead_tokens, doc=original.__doc__)
+    wrapper = property(num_lookahead_tokens, doc=original.__doc__)
+    install(VllmConfig, "num_lookahead_tokens", wrapper, original)
