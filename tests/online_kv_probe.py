@@ -44,7 +44,7 @@ def _wrap_scoring(online: Any, probe: dict[str, Any]) -> None:
     def _score(window: dict[str, Any]) -> None:
         if probe["left"] <= 0:
             return score(window)
-        before = [t.clone() for t in online.runner.kv_caches]
+        before = [t.clone() for t in online.runner_view.runner.kv_caches]
         if probe["write"]:  # the scoring passes pass write_kv=False: overridden here
             online._run = lambda **kw: run(**{**kw, "write_kv": True})
         try:
@@ -53,7 +53,7 @@ def _wrap_scoring(online: Any, probe: dict[str, Any]) -> None:
             online._run = run
         probe["left"] -= 1
         probe["checks"] += 1
-        after = online.runner.kv_caches
+        after = online.runner_view.runner.kv_caches
         if len(after) != len(before) or not all(
             torch.equal(a, b) for a, b in zip(before, after, strict=True)
         ):

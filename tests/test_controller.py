@@ -14,6 +14,7 @@ from vllm_selfspec.control.controller import (
     DraftLengthController,
     best_speedup,
     expected_tokens,
+    expected_tokens_array,
     validate_request_overrides,
 )
 from vllm_selfspec.control.step_costs import StepCostRecorder, StepCosts, bucket
@@ -137,6 +138,14 @@ def test_best_speedup_edges() -> None:
     assert best_speedup(0.0, 4, draft_cost=0.1) == (1.0, 0)  # drafts that never land
     assert best_speedup(1.0, 4, draft_cost=1.0)[1] == 0  # (k+1)/(k+1) ties go to k = 0
     assert expected_tokens(-0.5, 3) == 1.0 and expected_tokens(1.5, 3) == 4.0  # a clamped
+
+
+def test_expected_tokens_array_matches_the_scalar_form() -> None:
+    a = np.array([-0.5, 0.0, 0.3, 0.7, 0.999, 1.0, 1.5])
+    k = np.arange(0, 9)
+    grid = expected_tokens_array(a[:, None], k[None, :])
+    scalar = [[expected_tokens(float(x), int(n)) for n in k] for x in a]
+    np.testing.assert_allclose(grid, scalar, rtol=1e-12)
 
 
 def test_new_request_drafts() -> None:
@@ -617,15 +626,16 @@ def test_running_request_overrides_never_fail_a_request():
     from types import SimpleNamespace
 
     from vllm_selfspec.control.controller import running_request_overrides
+    from vllm_selfspec.plugin.runner_view import RunnerView
 
     def state(extra):
         return SimpleNamespace(sampling_params=SimpleNamespace(extra_args=extra))
 
-    runner = SimpleNamespace(requests={
+    runner = RunnerView(SimpleNamespace(requests={
         "ok": state({"selfspec": {"num_speculative_tokens": 2}}),
         "bad": state({"selfspec": {"num_speculative_tokens": 99}}),
         "none": state(None),
-    })
+    })).extra_args
     warned: set[str] = set()
     assert running_request_overrides(runner, ["ok", "none", "gone"], 4, warned) == {
         "ok": {"num_speculative_tokens": 2}

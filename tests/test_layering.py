@@ -21,19 +21,20 @@ CORE_PACKAGES = ("vllm_selfspec.control",)  # every module in them
 CORE_MODULES = (
     "vllm_selfspec.config",
     "vllm_selfspec.errors",
+    "vllm_selfspec.layers.matchness",
     "vllm_selfspec.layers.online_search",
     "vllm_selfspec.layers.profiles",
     "vllm_selfspec.layers.search.optimize",
     "vllm_selfspec.layers.search.output",
     "vllm_selfspec.layers.skip_set",
     "vllm_selfspec.plugin.engine_markers",
+    "vllm_selfspec.schema",
     "vllm_selfspec.tools.spec_decode_counters",
 )
 FORBIDDEN_IN_CORE = ("vllm", "torch")
 # The only modules that import vLLM (anywhere in the file): what touches vLLM stays in one place.
 VLLM_IMPORTERS_PACKAGES = ("vllm_selfspec.plugin", "vllm_selfspec.drafting")
 VLLM_IMPORTERS_MODULES = (
-    "vllm_selfspec.layers.online_scoring",  # the scoring passes' TP broadcast
     "vllm_selfspec.layers.search.confirm",  # vLLM's public LLM API
     "vllm_selfspec.tools.demo",  # vLLM's public LLM API
 )
@@ -163,3 +164,33 @@ def test_vllm_is_imported_only_where_listed() -> None:
     } | set(VLLM_IMPORTERS_MODULES)
     assert importers - allowed == set()
     assert set(VLLM_IMPORTERS_MODULES) <= importers  # the list names no module that stopped
+
+
+# vLLM model-runner fields: read only through plugin.runner_view (and, for the runner methods they
+# wrap, by the patches)
+RUNNER_FIELDS = frozenset({
+    "input_batch", "attn_groups", "discard_request_mask", "requests", "_draft_probs",
+    "_draft_prob_req_ids", "block_table",
+})
+RUNNER_READERS = ("vllm_selfspec.plugin.runner_view", "vllm_selfspec.plugin.patches")
+
+
+def runner_field_reads(source: str) -> set[str]:
+    """The :data:`RUNNER_FIELDS` that ``source`` reads or writes as attributes."""
+    return {
+        node.attr
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Attribute) and node.attr in RUNNER_FIELDS
+    }
+
+
+def test_runner_internals_are_read_in_one_place() -> None:
+    readers = {
+        name: fields
+        for name, path in _modules().items()
+        if (fields := runner_field_reads(path.read_text()))
+        and not any(name == r or name.startswith(r + ".") for r in RUNNER_READERS)
+    }
+    assert readers == {}
+    # negative control
+    assert runner_field_reads("x = self.runner.input_batch.req_ids\n") == {"input_batch"}

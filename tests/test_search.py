@@ -19,8 +19,8 @@ from vllm_selfspec.config import resolve_settings  # noqa: E402
 from vllm_selfspec.layers.profiles import ModelFingerprint, load_profile  # noqa: E402
 from vllm_selfspec.layers.search.cost import LinearCostModel, estimate_speedup  # noqa: E402
 from vllm_selfspec.layers.search.matchness import (  # noqa: E402
+    HFMatchnessScorer,
     LayerSkipper,
-    MatchnessScorer,
     generate_references,
     load_model,
     simulate_chain_acceptance,
@@ -84,7 +84,7 @@ def _config(model_dir: Path, prompts: Path, budget: int, **kw) -> SearchConfig:
 
 def test_skipping_zero_output_layers_is_exact(loaded, references) -> None:
     model, _ = loaded
-    scorer = MatchnessScorer(model, references)
+    scorer = HFMatchnessScorer(model, references)
     assert scorer.reference_disagreements == 0
     assert scorer.score(SkipSet()).matchness == 1.0
     assert scorer.score(SkipSet.of(ZERO, ZERO)).matchness == 1.0
@@ -96,8 +96,8 @@ def test_skipping_zero_output_layers_is_exact(loaded, references) -> None:
 def test_fast_layer_slice_equals_full_forward(loaded, references, context: str) -> None:
     """Starting the draft at its first skipped layer (cached inputs) changes nothing."""
     model, _ = loaded
-    fast = MatchnessScorer(model, references, context=context)
-    slow = MatchnessScorer(model, references, context=context)
+    fast = HFMatchnessScorer(model, references, context=context)
+    slow = HFMatchnessScorer(model, references, context=context)
     slow._fast = False
     for skip in (SkipSet.of([3, 6], [1]), SkipSet.of([], [4, 6]), SkipSet.of([1])):
         assert fast.score(skip, keep_hits=True).hits == slow.score(skip, keep_hits=True).hits
@@ -110,7 +110,7 @@ def test_target_context_is_what_the_drafter_computes(loaded, references) -> None
 
     model, _ = loaded
     skip = SkipSet.of([3, 4], [6])
-    hits = MatchnessScorer(model, references[:2]).score(skip, keep_hits=True).hits
+    hits = HFMatchnessScorer(model, references[:2]).score(skip, keep_hits=True).hits
     skipper = LayerSkipper(model)
     checked = 0
     with torch.inference_mode():
@@ -214,7 +214,7 @@ def test_search_resumes_and_refuses_other_settings(zero_model_dir, prompt_file, 
     # an interruption (Ctrl-C) during the 3rd new trial: completed trials stay in the study
     search = LayerSearch(_config(zero_model_dir, prompt_file, budget=30), db, progress=False,
                          model=model, tokenizer=tok)
-    original = MatchnessScorer.score
+    original = HFMatchnessScorer.score
     calls = {"n": 0}
 
     def flaky(self, skip, keep_hits=False):
@@ -223,11 +223,11 @@ def test_search_resumes_and_refuses_other_settings(zero_model_dir, prompt_file, 
             raise KeyboardInterrupt
         return original(self, skip, keep_hits)
 
-    MatchnessScorer.score = flaky
+    HFMatchnessScorer.score = flaky
     try:
         interrupted = search.run()
     finally:
-        MatchnessScorer.score = original
+        HFMatchnessScorer.score = original
     assert interrupted.interrupted and len(interrupted.trials) == 10
 
     resumed = LayerSearch(_config(zero_model_dir, prompt_file, budget=30), db, progress=False,

@@ -123,6 +123,25 @@ def test_flat_round_trip_and_padding() -> None:
     assert not StepCosts.from_flat([])
 
 
+def test_scoring_rounds_ride_in_the_same_table() -> None:
+    """Online selection's scoring rounds: their median once ``min_samples`` are in, counted as a
+    ready key (so the cost feed syncs when it appears), carried through the flat form, and no
+    part of the decoding costs."""
+    rec = StepCostRecorder(window=5, min_samples=3)
+    for seconds in (0.2, 0.9):
+        rec.observe_scoring(seconds)
+    rec.observe_scoring(math.inf)  # ignored
+    assert rec.snapshot().scoring is None and rec.ready_keys == 0
+    rec.observe_scoring(0.4)
+    assert rec.ready_keys == 1
+    costs = rec.snapshot()
+    assert costs.scoring == pytest.approx(0.4) and not costs  # median; not a decoding cost
+    table = StepCosts(verify={(1, 0.0): 0.1}, draft={1: 0.05}, scoring=0.4)
+    assert table.to_flat()[-4:] == [2.0, 1.0, 0.0, 0.4]  # scoring last
+    assert StepCosts.from_flat(table.to_flat()) == table
+    assert table.of_bucket(1).scoring == 0.4
+
+
 def test_ready_keys_counts_keys_as_they_reach_min_samples() -> None:
     rec = StepCostRecorder(window=4, min_samples=3)
     seen = []

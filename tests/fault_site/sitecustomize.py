@@ -33,7 +33,7 @@ def _leak(module: Any) -> None:
     def propose(self: Any, *args: Any, **kwargs: Any) -> Any:
         seen = self.__dict__.setdefault("_fault_seen", set())
         held = self.__dict__.setdefault("_fault_held", [])
-        for req_id in self.runner.input_batch.req_ids:
+        for req_id in self.runner_view.req_ids:
             if req_id not in seen:
                 seen.add(req_id)
                 held.append(np.ones(LEAK_BYTES // 8))  # touched pages: resident memory

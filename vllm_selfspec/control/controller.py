@@ -145,18 +145,19 @@ def request_overrides(
 
 
 def running_request_overrides(
-    runner: Any, req_ids: Iterable[str], k_max: int, warned: set[str]
+    extra_args: Callable[[str], Mapping[str, Any] | None],
+    req_ids: Iterable[str],
+    k_max: int,
+    warned: set[str],
 ) -> dict[str, dict[str, Any]]:
-    """The overrides of requests the model runner holds (``runner.requests[req_id]``'s
-    ``sampling_params.extra_args``), by request id; requests without any are left out. Invalid
+    """The overrides of running requests, by request id, from ``extra_args(req_id)`` (the
+    request's ``SamplingParams.extra_args``); requests without any are left out. Invalid
     ones were refused when the request arrived; should any reach a drafter, it drafts with the
     defaults and logs once per request (in ``warned``) rather than fail a running request."""
     out: dict[str, dict[str, Any]] = {}
     for req_id in req_ids:
-        state = runner.requests.get(req_id) if runner is not None else None
-        params = getattr(state, "sampling_params", None)
         try:
-            overrides = request_overrides(getattr(params, "extra_args", None), k_max)
+            overrides = request_overrides(extra_args(req_id), k_max)
         except ValueError as exc:
             if req_id not in warned:
                 warned.add(req_id)
@@ -317,8 +318,11 @@ def best_speedup(
     return best, best_k
 
 
-def _expected_tokens_array(a: np.ndarray, k: np.ndarray) -> np.ndarray:
-    """:func:`expected_tokens` element-wise (``a`` and ``k`` broadcast)."""
+def expected_tokens_array(a: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """:func:`expected_tokens` element-wise (``a`` and ``k`` broadcast), for the batch plan,
+    which prices every candidate row at every cap in one step. The scalar form stays plain Python
+    because the per-request loops call it a few hundred times a step, where numpy's per-call
+    overhead would cost more than the arithmetic; a unit test keeps the two equal."""
     a = np.clip(np.asarray(a, dtype=np.float64), 0.0, 1.0)
     k = np.asarray(k, dtype=np.float64)
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -534,7 +538,7 @@ class DraftLengthController:
         time = (np.asarray(c.verify_cost(1, ks)) + ks * float(c.draft_cost(1, 1,
                                                                            cfg.prior_cost_ratio)))
         time = time / c.plain_cost(1)
-        rate = _expected_tokens_array(acceptances[:, None], ks[None, :]) / time[None, :]
+        rate = expected_tokens_array(acceptances[:, None], ks[None, :]) / time[None, :]
         rate[:, 0] = 1.0
         rate = np.where(ks[None, :] <= caps[:, None], rate, -np.inf)
         # ties go to the smaller k: only a strict improvement over plain counts
@@ -587,7 +591,7 @@ class DraftLengthController:
         zero = np.zeros(1)
         for cap_k in range(1, kmax + 1):
             kk = np.minimum(cap_k, cap_sorted)
-            gain = np.concatenate([zero, np.cumsum(_expected_tokens_array(a_sorted, kk) - 1.0)])
+            gain = np.concatenate([zero, np.cumsum(expected_tokens_array(a_sorted, kk) - 1.0)])
             extra = fixed_extra + np.concatenate([zero, np.cumsum(kk)])
             rows = [fixed_rows[j] + np.concatenate([zero, np.cumsum(kk >= j)])
                     for j in range(1, depth + 1)]

@@ -10,6 +10,9 @@ are measured here rather than assumed:
   batch-size bucket (powers of two) and per *draft tokens per request* ``x = D / B`` (quantised to
   quarters); ``x = 0`` is a plain decoding step, the baseline every plan is compared with.
 * **draft forward**: one layer-skip forward over ``n`` rows, kept per power-of-two bucket of ``n``.
+* **scoring round**: online layer selection's scoring passes of one engine step (one key); it
+  decides how often the search may score, and rides in the same table so that one broadcast
+  gives every tensor-parallel rank every cost it plans with.
 
 Each key keeps its last few samples and answers with their lower quartile
 (:data:`COST_QUANTILE`): a single outlier (a step that also ran a prefill, a scheduler hiccup,
@@ -42,7 +45,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-_VERIFY, _DRAFT = 0.0, 1.0
+_VERIFY, _DRAFT, _SCORING = 0.0, 1.0, 2.0
 COST_QUANTILE = 0.25  # of a key's samples, the cost it answers with (see the module docstring)
 X_QUANTUM = 0.25  # draft tokens per request are kept in quarters
 
@@ -70,11 +73,14 @@ class StepCosts:
     docstring.
 
     ``verify[(b, x)]``: verification step of a batch in bucket ``b`` with ``x`` draft tokens per
-    request; ``draft[b]``: one draft forward over a row count in bucket ``b``.
+    request; ``draft[b]``: one draft forward over a row count in bucket ``b``; ``scoring``: one
+    engine step's scoring passes of online layer selection (None: not measured). ``scoring`` is
+    not a cost of decoding: it takes no part in :meth:`__bool__` nor in the plans.
     """
 
     verify: dict[tuple[int, float], float] = field(default_factory=dict)
     draft: dict[int, float] = field(default_factory=dict)
+    scoring: float | None = None
 
     def __bool__(self) -> bool:
         return bool(self.verify) or bool(self.draft)
@@ -196,23 +202,27 @@ class StepCosts:
         """Only the entries of ``batch_size``'s own bucket (no fallback to other buckets)."""
         b = bucket(batch_size)
         return StepCosts(verify={k: c for k, c in self.verify.items() if k[0] == b},
-                         draft={bb: c for bb, c in self.draft.items() if bb == b})
+                         draft={bb: c for bb, c in self.draft.items() if bb == b},
+                         scoring=self.scoring)
 
     # ---- transport --------------------------------------------------------------------------
     def to_flat(self) -> list[float]:
-        """``[kind, bucket, x, seconds] * n`` (kind 0: verification, 1: draft forward; draft
-        forwards first)."""
+        """``[kind, bucket, x, seconds] * n`` (kind 0: verification, 1: draft forward, 2: scoring
+        round with bucket 1; draft forwards first, scoring last)."""
         flat: list[float] = []
         for b, c in sorted(self.draft.items()):
             flat += [_DRAFT, float(b), 0.0, c]
         for (b, x), c in sorted(self.verify.items()):
             flat += [_VERIFY, float(b), x, c]
+        if self.scoring is not None:
+            flat += [_SCORING, 1.0, 0.0, self.scoring]
         return flat
 
     @classmethod
     def from_flat(cls, flat: Sequence[float]) -> StepCosts:
         verify: dict[tuple[int, float], float] = {}
         draft: dict[int, float] = {}
+        scoring = None
         for i in range(0, len(flat) - len(flat) % 4, 4):
             kind, b, x, c = (float(v) for v in flat[i:i + 4])
             if not _valid(c) or b < 1:
@@ -221,7 +231,9 @@ class StepCosts:
                 verify[(int(b), x)] = c
             elif kind == _DRAFT:
                 draft[int(b)] = c
-        return cls(verify=verify, draft=draft)
+            elif kind == _SCORING:
+                scoring = c
+        return cls(verify=verify, draft=draft, scoring=scoring)
 
 
 class StepCostRecorder:
@@ -254,6 +266,7 @@ class StepCostRecorder:
         self.max_plain_age = max_plain_age
         self._verify: dict[tuple[int, float], deque[float]] = {}
         self._draft: dict[int, deque[float]] = {}
+        self._scoring: deque[float] = deque(maxlen=window)
         # per bucket: measured verification steps so far, and the step of each plain sample
         self._steps: dict[int, int] = {}
         self._plain_steps: dict[int, deque[int]] = {}
@@ -306,6 +319,11 @@ class StepCostRecorder:
             return
         self._append(self._draft.setdefault(bucket(rows), deque(maxlen=self.window)), seconds)
 
+    def observe_scoring(self, seconds: float) -> None:
+        """Online layer selection's scoring passes of one engine step took ``seconds``."""
+        if _valid(seconds):
+            self._append(self._scoring, seconds)
+
     def snapshot(self, min_samples: int | None = None) -> StepCosts:
         """The recorder's ``quantile`` of each key with at least ``min_samples`` (default: the
         recorder's) samples (a key's first samples can all be slow: a new input shape's first
@@ -318,4 +336,8 @@ class StepCostRecorder:
                     if len(v) >= min_samples},
             draft={k: float(np.quantile(v, q)) for k, v in self._draft.items()
                    if len(v) >= min_samples},
+            # the median, not the quantile: a round's cost varies with its window, and the
+            # overhead bound it sets is about the typical round
+            scoring=(float(np.median(self._scoring))
+                     if len(self._scoring) >= min_samples else None),
         )

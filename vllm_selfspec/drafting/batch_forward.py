@@ -18,10 +18,11 @@ import numpy as np
 import torch
 
 from vllm_selfspec.drafting.skip_forward import LayerSkipForward
+from vllm_selfspec.plugin.runner_view import RunnerView
 
 
 def skip_model_logits(
-    runner: Any,
+    runner_view: RunnerView,
     vllm_config: Any,
     forward: LayerSkipForward,
     target: torch.nn.Module,
@@ -40,14 +41,15 @@ def skip_model_logits(
 ) -> torch.Tensor:
     """Logits ``[tokens, vocab]`` of ``target`` with the given sub-layers skipped.
 
-    ``rows`` are the requests' rows in the runner's input batch; ``row_of_token`` / ``positions``
-    / ``tokens`` hold one entry per query token. ``query_start_cpu`` / ``seq_lens_cpu`` are the
-    per-row query offsets and sequence lengths of vLLM's attention metadata.
+    ``rows`` are the requests' rows in the runner's input batch (read through ``runner_view``);
+    ``row_of_token`` / ``positions`` / ``tokens`` hold one entry per query token.
+    ``query_start_cpu`` / ``seq_lens_cpu`` are the per-row query offsets and sequence lengths of
+    vLLM's attention metadata.
     """
     from vllm.forward_context import set_forward_context
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
-    device = runner.device
+    device = runner_view.device
     num_tokens = len(tokens)
     rows_t = torch.from_numpy(rows).to(device)
     positions_t = torch.from_numpy(positions).to(device)
@@ -55,12 +57,11 @@ def skip_model_logits(
     query_start = query_start_cpu.to(device)
     seq_lens = seq_lens_cpu.to(device)
     max_seq_len = int(seq_lens_cpu.max())
-    num_reqs = len(runner.input_batch.req_ids)
+    num_reqs = len(runner_view.req_ids)
 
     attn_metadata: dict[str, Any] = {}
     slot_by_layer: dict[str, torch.Tensor] = {}
-    for gid, groups in enumerate(runner.attn_groups):
-        table = runner.input_batch.block_table[gid]
+    for table, groups in runner_view.attention_groups():
         if write_kv:
             block_size = table.block_size
             block_ids = table.get_numpy_array()[row_of_token, positions // block_size]

@@ -67,12 +67,14 @@ from vllm.v1.spec_decode.draft_model import DraftModelProposer
 
 from vllm_selfspec.config import SelfSpecSettings
 from vllm_selfspec.control.controller import DraftLengthController, running_request_overrides
+from vllm_selfspec.control.observation import StepObservation
 from vllm_selfspec.control.source_choice import LOOKUP_MIN_GAIN, LookupAcceptance, lookup_length
 from vllm_selfspec.control.step_costs import StepCostRecorder
 from vllm_selfspec.drafting.cost_feed import CostFeed
 from vllm_selfspec.drafting.prompt_lookup import valid_sampled
 from vllm_selfspec.drafting.skip_forward import LayerSkipForward, decoder_stack
 from vllm_selfspec.plugin.engine_markers import ADDITIONAL_CONFIG_KEY
+from vllm_selfspec.plugin.runner_view import RunnerView
 
 logger = logging.getLogger("vllm.selfspec.device_drafter")
 
@@ -135,7 +137,7 @@ class SelfSpecDeviceProposer(DraftModelProposer):
         raw = (vllm_config.additional_config or {})[ADDITIONAL_CONFIG_KEY]
         self.settings = SelfSpecSettings.from_dict(raw)
         self.k_max = self.settings.num_speculative_tokens
-        self.runner = runner
+        self.runner_view = RunnerView(runner)  # vLLM's base class keeps no reference
         self._pending_rejected: torch.Tensor | None = None
         self._planned: int | None = None  # a pass length planned before vLLM's preparation
         self._planned_at = 0.0  # when that plan was made
@@ -196,11 +198,11 @@ class SelfSpecDeviceProposer(DraftModelProposer):
 
             self.online = OnlineSelector(
                 self.settings,
-                runner=runner,
+                runner_view=self.runner_view,
                 vllm_config=vllm_config,
                 k_max=self.k_max,
+                costs=self._costs,
                 tp_rank=self._cost_feed.rank,
-                tp_world_size=self._cost_feed.world_size,
             )
         self._explorer: SelfDraftModel | None = None
         self._compiled: dict[tuple[frozenset[int], frozenset[int]], SelfDraftModel] = {}
@@ -335,11 +337,11 @@ class SelfSpecDeviceProposer(DraftModelProposer):
         """Observe the verification of last step's drafts and the step's cost; plan this step's
         budgets; returns the pass length."""
         start = time.perf_counter()
-        req_ids = list(self.runner.input_batch.req_ids) if self.runner is not None else []
+        req_ids = self.runner_view.req_ids
         discarded = self._discarded(len(req_ids))
         verified, skip_verified = self._observe_verification(req_ids, num_rejected)
         if self.online is not None:  # may switch the skip set: between passes only
-            self._online_step(req_ids, discarded, skip_verified)
+            self._online_step(discarded, skip_verified)
         # The gap since the previous pass is one verification step only while the same requests
         # keep decoding (a changed batch means prefills or an idle engine in between).
         if self._last_end is not None and req_ids == self._last_req_ids and not any(discarded):
@@ -365,11 +367,10 @@ class SelfSpecDeviceProposer(DraftModelProposer):
         sampled, self._sampled = self._sampled, None
         if self._lookup is None or sampled is None or not req_ids:
             return {}
-        batch = self.runner.input_batch
         rows = [row for row, d in enumerate(discarded) if not d]
         found = self._lookup.find(
-            batch.token_ids_cpu,
-            batch.num_tokens_no_spec,
+            self.runner_view.token_ids_cpu,
+            self.runner_view.num_tokens_no_spec,
             valid_sampled(sampled, len(req_ids)),
             rows,
         )
@@ -393,7 +394,7 @@ class SelfSpecDeviceProposer(DraftModelProposer):
     def _discarded(self, num_reqs: int) -> list[bool]:
         """Per row of this step: a partial prefill (its sampled token is discarded, nothing to
         plan for)."""
-        mask = getattr(getattr(self.runner, "discard_request_mask", None), "np", None)
+        mask = self.runner_view.discarded_rows_mask()
         if mask is None:
             return [False] * num_reqs
         return [bool(v) for v in mask[:num_reqs]]
@@ -408,7 +409,7 @@ class SelfSpecDeviceProposer(DraftModelProposer):
         total = skip_drafted = skip_accepted = 0
         if num_rejected is not None and req_ids:
             rejected = num_rejected[: len(req_ids)].tolist()  # one read per step
-            scheduled = self.runner.input_batch.spec_token_ids
+            scheduled = self.runner_view.spec_token_ids
             for row, req_id in enumerate(req_ids):
                 drafted = sum(1 for t in scheduled[row] if t >= 0)
                 if not drafted:
@@ -431,26 +432,16 @@ class SelfSpecDeviceProposer(DraftModelProposer):
             self.lookup_acceptance.retain(req_ids)
         return total, (skip_drafted, skip_accepted)
 
-    def _online_step(
-        self, req_ids: list[str], discarded: list[bool], verified: tuple[int, int]
-    ) -> None:
-        """Online layer selection's step, timed by the controller's step costs (rank 0's on
-        every tensor-parallel rank)."""
+    def _online_step(self, discarded: list[bool], verified: tuple[int, int]) -> None:
+        """Online layer selection's step: this step's observation, with the controller's cost
+        table (rank 0's on every tensor-parallel rank)."""
         assert self.online is not None
-        costs = self.controller.step_costs
-        batch_size = max(1, len(req_ids))
-        timings = (
-            float(costs.draft_cost(batch_size, batch_size)) if costs.draft else None,
-            costs.plain_cost(batch_size) if costs.has_plain(batch_size) else None,
-        )
-        batch = self.runner.input_batch
-        new = self.online.step(
-            [not d for d in discarded],
-            batch.num_tokens_no_spec,
-            batch.token_ids_cpu,
-            verified=verified,
-            timings=timings,
-        )
+        new = self.online.step(StepObservation(
+            decoding=tuple(not d for d in discarded),
+            drafted=verified[0],
+            accepted=verified[1],
+            costs=self.controller.step_costs,
+        ))
         if new is not None:
             # the acceptance the controller learnt was the old set's: restart it from the new
             # set's matchness on the traffic (the same on every tensor-parallel rank)
@@ -464,7 +455,7 @@ class SelfSpecDeviceProposer(DraftModelProposer):
         and which of them draft by the lookups ``found`` this step;
         returns the pass length."""
         overrides = running_request_overrides(
-            self.runner, req_ids, self.k_max, self._bad_override_warned
+            self.runner_view.extra_args, req_ids, self.k_max, self._bad_override_warned
         )
         budgets = self.controller.plan(req_ids, overrides=overrides)
         self.counters["lookup_found"] += len(found)
@@ -684,7 +675,7 @@ class SelfSpecDeviceProposer(DraftModelProposer):
             wider = probs.new_zeros((probs.shape[0], width, probs.shape[2]))
             wider[:, : probs.shape[1]] = probs
             probs = wider
-        for row, req_id in enumerate(self.runner.input_batch.req_ids):
+        for row, req_id in enumerate(self.runner_view.req_ids):
             tokens = self._lookups.get(req_id)
             if tokens:
                 index = torch.tensor(tokens, dtype=torch.int64, device=probs.device)

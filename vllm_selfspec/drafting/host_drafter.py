@@ -15,7 +15,6 @@ extra KV page and no weight copy is needed. The scheduler reserves the lookahead
 
 from __future__ import annotations
 
-import inspect
 import logging
 import time
 from typing import Any
@@ -25,6 +24,7 @@ import torch
 
 from vllm_selfspec.config import SelfSpecSettings
 from vllm_selfspec.control.controller import DraftLengthController, running_request_overrides
+from vllm_selfspec.control.observation import StepObservation
 from vllm_selfspec.control.step_costs import StepCostRecorder
 from vllm_selfspec.drafting.batch_forward import skip_model_logits
 from vllm_selfspec.drafting.cost_feed import CostFeed
@@ -36,30 +36,11 @@ from vllm_selfspec.plugin.patches.model_runner import (
     patch_runner_input_fits_in_drafter,
     patch_runner_sample_without_drafts,
 )
+from vllm_selfspec.plugin.runner_view import RunnerView, find_model_runner
 
 logger = logging.getLogger("vllm.selfspec.proposer")
 
 _DRAFT_SEED = 0x5E1F5BEC
-
-
-def _find_model_runner() -> Any:
-    """The ``GPUModelRunner`` (or subclass) whose constructor is building us.
-
-    vLLM passes the custom proposer only ``vllm_config``; the runner, which owns the input batch,
-    block tables and attention builders, is the caller of ``create_custom_proposer``.
-    """
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    frame = inspect.currentframe()
-    while frame is not None:
-        candidate = frame.f_locals.get("self")
-        if isinstance(candidate, GPUModelRunner):
-            return candidate
-        frame = frame.f_back
-    raise RuntimeError(
-        "SelfSpecProposer must be created by vLLM's model runner (V1 GPUModelRunner or a "
-        "subclass); use speculative_config={'method': 'selfspec', ...}"
-    )
 
 
 class SelfSpecProposer:
@@ -81,11 +62,12 @@ class SelfSpecProposer:
         self.skip_mlp = frozenset(self.settings.skip_mlp)
         self.probabilistic = self.settings.draft_sampling == "probabilistic"
 
-        self.runner = _find_model_runner()
-        patch_runner_input_fits_in_drafter(self.runner)
-        patch_runner_cpu_discarded_generators(self.runner)
-        patch_runner_sample_without_drafts(self.runner)
-        self.device = self.runner.device
+        runner = find_model_runner()
+        patch_runner_input_fits_in_drafter(runner)
+        patch_runner_cpu_discarded_generators(runner)
+        patch_runner_sample_without_drafts(runner)
+        self.runner_view = RunnerView(runner)
+        self.device = self.runner_view.device
         self.controller = DraftLengthController.for_settings(self.settings, self.k_max)
         # Same seed on every TP rank: probabilistic drafts stay identical across ranks.
         self.generator = torch.Generator(device=self.device)
@@ -108,13 +90,12 @@ class SelfSpecProposer:
 
             self.online = OnlineSelector(
                 self.settings,
-                runner=self.runner,
+                runner_view=self.runner_view,
                 vllm_config=vllm_config,
                 k_max=self.k_max,
+                costs=self._costs,
                 tp_rank=self._tp_rank,
-                tp_world_size=self._tp_world_size,
             )
-        self._round: tuple[float, int] | None = None  # (start, forwards before) of the last round
         self.counters: dict[str, int] = {
             "steps": 0,
             "steps_with_drafts": 0,
@@ -162,14 +143,12 @@ class SelfSpecProposer:
         slot_mappings: Any = None,
     ) -> list[list[int]]:
         start = time.perf_counter()
-        input_batch = self.runner.input_batch
-        req_ids = list(input_batch.req_ids)
+        req_ids = self.runner_view.req_ids
         drafts: list[list[int]] = [[] for _ in req_ids]
 
         verified_drafts, accepted = self._observe_verification(req_ids, sampled_token_ids)
         if self.online is not None:  # may switch the skip set, never inside a draft round
-            self._online_step(start, sampled_token_ids, num_tokens_no_spec, token_ids_cpu,
-                              (verified_drafts, accepted))
+            self._online_step(sampled_token_ids, (verified_drafts, accepted))
         # The gap since the previous call is one verification step only while the same requests
         # keep decoding: a changed batch means prefills, or an idle engine waiting for requests,
         # either of which would make drafting look far cheaper than it is.
@@ -194,7 +173,7 @@ class SelfSpecProposer:
     ) -> tuple[int, int]:
         """Feed the controller the outcome of the verified drafts; returns how many drafts the
         step verified and how many of them were accepted."""
-        spec_token_ids = self.runner.input_batch.spec_token_ids
+        spec_token_ids = self.runner_view.spec_token_ids
         confidences = self._draft_confidences
         self._draft_confidences = {}
         total = total_accepted = 0
@@ -212,32 +191,18 @@ class SelfSpecProposer:
         self.controller.retain(req_ids)
         return total, total_accepted
 
-    def _online_step(
-        self,
-        start: float,
-        sampled: list[list[int]],
-        num_tokens_no_spec: np.ndarray,
-        token_ids_cpu: np.ndarray,
-        verified: tuple[int, int],
-    ) -> None:
-        """Online layer selection's step, timed from this drafter's call pattern: the previous
-        draft round ran from ``_round`` to the end of the previous ``propose()``, and the
-        engine's verification step took from then until ``start``."""
+    def _online_step(self, sampled: list[list[int]], verified: tuple[int, int]) -> None:
+        """Online layer selection's step: this step's observation, with the controller's cost
+        table (rank 0's on every tensor-parallel rank)."""
         assert self.online is not None
-        end = self._last_propose_end
-        verify_s = draft_s = None
-        if end is not None and self._round is not None and end >= self._round[0]:
-            verify_s = start - end
-            forwards = self.counters["draft_forwards"] - self._round[1]
-            if forwards > 0:
-                draft_s = (end - self._round[0]) / forwards
-        new = self.online.step(
-            [bool(tokens) for tokens in sampled], num_tokens_no_spec, token_ids_cpu,
-            verified=verified, timings=(draft_s, verify_s),
-        )
+        new = self.online.step(StepObservation(
+            decoding=tuple(bool(tokens) for tokens in sampled),
+            drafted=verified[0],
+            accepted=verified[1],
+            costs=self.controller.step_costs,
+        ))
         if new is not None:
             self._use_skip_set(new)
-        self._round = (time.perf_counter(), self.counters["draft_forwards"])
 
     def _use_skip_set(self, cand: Any) -> None:
         """Draft with ``cand`` from the next round on (online selection)."""
@@ -259,11 +224,9 @@ class SelfSpecProposer:
             return [], []
         cand_ids = [req_ids[row] for row in candidates]
         overrides = running_request_overrides(
-            self.runner, cand_ids, self.k_max, self._bad_override_warned
+            self.runner_view.extra_args, cand_ids, self.k_max, self._bad_override_warned
         )
         planned = self.controller.plan(cand_ids, overrides=overrides)
-        block_tables = self.runner.input_batch.block_table
-        num_groups = len(self.runner.attn_groups)
         rows: list[int] = []
         budgets: list[int] = []
         self.counters["rows_considered"] += len(candidates)
@@ -279,12 +242,10 @@ class SelfSpecProposer:
                 self.counters["max_model_len_clips"] += 1
                 k = room
             # Draft writes cover position .. position + k - 1: never past the allocated blocks.
-            for gid in range(num_groups):
-                table = block_tables[gid]
-                capacity = int(table.num_blocks_per_row[row]) * table.block_size
-                if position + k > capacity:
-                    self.counters["kv_overflow_clips"] += 1
-                    k = capacity - position
+            capacity = self.runner_view.kv_capacity(row)
+            if position + k > capacity:
+                self.counters["kv_overflow_clips"] += 1
+                k = capacity - position
             if k > 0:
                 rows.append(row)
                 budgets.append(k)
@@ -300,12 +261,11 @@ class SelfSpecProposer:
         drafts: list[list[int]],
     ) -> None:
         assert self._forward is not None and self._target is not None
-        input_batch = self.runner.input_batch
         rows_np = np.asarray(rows, dtype=np.int64)
         budgets_np = np.asarray(budgets, dtype=np.int64)
         base_pos = num_tokens_no_spec[rows_np].astype(np.int64) - 1
         tokens = np.asarray([sampled[row][-1] for row in rows], dtype=np.int64)
-        temperatures = input_batch.temperature_cpu[rows_np].astype(np.float32)
+        temperatures = self.runner_view.temperature_cpu[rows_np].astype(np.float32)
         sample_mask = (temperatures > 0) if self.probabilistic else np.zeros(len(rows), bool)
         alive = np.ones(len(rows), dtype=bool)
         max_k = int(budgets_np.max())
@@ -351,8 +311,7 @@ class SelfSpecProposer:
             tokens[active] = next_np
         self._draft_confidences = confidences
         if probs_buffer is not None:
-            self.runner._draft_probs = probs_buffer
-            self.runner._draft_prob_req_ids = [req_ids[row] for row in rows]
+            self.runner_view.set_draft_probs(probs_buffer, [req_ids[row] for row in rows])
         lengths = {len(drafts[row]) for row in rows}
         self.counters["steps_with_drafts"] += 1
         self.counters["draft_forwards"] += forwards
@@ -387,7 +346,7 @@ class SelfSpecProposer:
         (:func:`vllm_selfspec.drafting.batch_forward.skip_model_logits`)."""
         assert self._forward is not None and self._target is not None
         return skip_model_logits(
-            self.runner, self.vllm_config, self._forward, self._target, **kwargs
+            self.runner_view, self.vllm_config, self._forward, self._target, **kwargs
         )
 
     def _pick_tokens(

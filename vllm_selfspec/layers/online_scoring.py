@@ -28,8 +28,11 @@ of zero-output layers scores exactly 1.0) and sampled requests are scored like g
 reference's agreement with the emitted tokens is kept as a diagnostic (``reference_hits``).
 
 Tensor parallel: every rank runs the same passes (the schedule is deterministic), the logits are
-all-gathered by ``compute_logits`` so every rank computes the same scores, and timings used for
-decisions are broadcast from rank 0.
+all-gathered by ``compute_logits`` so every rank computes the same scores, and the timings the
+search decides with come from the step's
+:class:`~vllm_selfspec.control.observation.StepObservation`: the drafter's cost table, rank 0's on
+every rank. The selector's own cost, a step's scoring round, goes into that table's recorder and
+is broadcast with it; the selector holds no clock and no collective of its own.
 """
 
 from __future__ import annotations
@@ -46,18 +49,21 @@ from typing import Any
 import numpy as np
 import torch
 
+from vllm_selfspec.control.observation import StepObservation
+from vllm_selfspec.control.step_costs import StepCostRecorder
 from vllm_selfspec.drafting.batch_forward import skip_model_logits
 from vllm_selfspec.drafting.skip_forward import LayerSkipForward
+from vllm_selfspec.layers.matchness import MatchResult
 from vllm_selfspec.layers.online_search import (
     OnlineLayerSearch,
     OnlineSearchConfig,
     SubLayerCosts,
 )
 from vllm_selfspec.layers.skip_set import SkipSet
+from vllm_selfspec.plugin.runner_view import RunnerView
 
 logger = logging.getLogger("vllm.selfspec.online")
 
-_SYNC_INTERVAL = 16  # engine steps between (TP-synchronised) timing updates of the search
 
 
 def sublayer_costs(target: torch.nn.Module, layers: Any, overhead: float = 0.1) -> SubLayerCosts:
@@ -81,26 +87,26 @@ class OnlineSelector:
     The drafter calls :meth:`attach` once it has the target, then :meth:`step` once per engine
     step between the verification of its drafts and its next draft round; both return the skip
     set the drafter is to draft with from then on (``step``: only when it changed). The selector
-    never touches the drafter: it reads the runner's input batch and paged cache (read-only; its
-    scoring passes write no KV) and runs its passes with
-    :func:`~vllm_selfspec.drafting.batch_forward.
-    skip_model_logits`.
+    never touches the drafter: it reads the runner's input batch and paged cache through a
+    :class:`~vllm_selfspec.plugin.runner_view.RunnerView` (read-only: its scoring passes write no
+    KV) and runs its passes with :func:`~vllm_selfspec.drafting.batch_forward.skip_model_logits`.
     """
 
     def __init__(
         self,
         settings: Any,
         *,
-        runner: Any,
+        runner_view: RunnerView,
         vllm_config: Any,
         k_max: int,
+        costs: StepCostRecorder,
         tp_rank: int = 0,
-        tp_world_size: int = 1,
     ) -> None:
-        self.runner = runner
+        self.runner_view = runner_view
+        self.costs = costs  # the drafter's recorder: the selector's scoring rounds go in it
         self.vllm_config = vllm_config
         self.k_max = int(k_max)
-        self.tp_rank, self.tp_world_size = tp_rank, tp_world_size
+        self.tp_rank = tp_rank
         self.config = OnlineSearchConfig.from_dict(settings.online_search)
         self.profile_out: str | None = settings.online_profile_out
         self.search: OnlineLayerSearch | None = None
@@ -121,6 +127,7 @@ class OnlineSelector:
         self.trace: list[dict[str, Any]] = []  # (engine step, incumbent, matchness) per change
         self._run: Any = None  # skip_model_logits bound to the runner and the target
         self._engine_steps = 0
+        # the costs the search last decided with (from the observation's table), for stats
         self._pass_s: float | None = None
         self._verify_s: float | None = None
         self._draft_s: float | None = None
@@ -132,7 +139,7 @@ class OnlineSelector:
     def attach(self, forward: LayerSkipForward, target: torch.nn.Module) -> SkipSet:
         """Once the drafter has the target: build the search; returns the set to start with."""
         self._run = functools.partial(
-            skip_model_logits, self.runner, self.vllm_config, forward, target
+            skip_model_logits, self.runner_view, self.vllm_config, forward, target
         )
         costs = sublayer_costs(target, forward.stack.layers)
         self.search = OnlineLayerSearch(
@@ -156,43 +163,27 @@ class OnlineSelector:
 
     # ---- per step ----------------------------------------------------------------------------
 
-    def step(
-        self,
-        decoding: Sequence[bool],
-        num_tokens_no_spec: np.ndarray,
-        token_ids_cpu: np.ndarray,
-        *,
-        verified: tuple[int, int],
-        timings: tuple[float | None, float | None],
-    ) -> SkipSet | None:
-        """One engine step. ``decoding``: per row of the input batch, whether it sampled a token
-        this step (False for a partial prefill: nothing to score); ``num_tokens_no_spec`` /
-        ``token_ids_cpu``: the runner's token table, whose first ``num_tokens_no_spec[row]`` tokens
-        of a row all have the full model's K/V but the newest (scoring reads positions up to
-        ``n - 2``); ``verified``: (drafted, accepted) layer-skip drafts verified this step;
-        ``timings``: a draft forward's and a verification step's seconds as the drafter measures
-        them (None: not measured). Returns the new skip set to draft with, or None when it is
-        unchanged."""
+    def step(self, observation: StepObservation) -> SkipSet | None:
+        """One engine step (see :class:`~vllm_selfspec.control.observation.StepObservation`);
+        scoring windows read the runner's token table, whose first ``num_tokens_no_spec[row]``
+        tokens of a row all have the full model's K/V but the newest (scoring reads positions up
+        to ``n - 2``). Returns the new skip set to draft with, or None when it is unchanged."""
         search = self.search
         if search is None:
             return None
         start = time.perf_counter()
-        draft_s, verify_s = timings
-        if verify_s is not None and verify_s > 0:
-            self._verify_s = _ema(self._verify_s, verify_s)
-        if draft_s is not None and draft_s > 0:
-            self._draft_s = _ema(self._draft_s, draft_s)
         self._engine_steps += 1
         if self.counters["first_step_t"] is None:
             self.counters["first_step_t"] = time.time()
-        if not search.searching and search.observe_acceptance(*verified):
+        self._apply_costs(observation)
+        if not search.searching and search.observe_acceptance(
+            observation.drafted, observation.accepted
+        ):
             self._announced_convergence = False
             logger.info("selfspec online: acceptance drifted down; search restarted")
         if search.searching:
-            if self._engine_steps % _SYNC_INTERVAL == 0:
-                self._sync_timings()
             if search.due():
-                window = self._window(decoding, num_tokens_no_spec, token_ids_cpu)
+                window = self._window(observation.decoding)
                 if window is not None:
                     self._score(window)
             if not search.searching and not self._announced_convergence:
@@ -219,33 +210,28 @@ class OnlineSelector:
         )
         return True
 
-    def _sync_timings(self) -> None:
+    def _apply_costs(self, observation: StepObservation) -> None:
+        """Hand the search the step's costs: identical on every rank (rank 0's table), so its
+        decisions are too."""
         search = self.search
         assert search is not None
-        values = [
-            -1.0 if x is None else float(x) for x in (self._pass_s, self._verify_s, self._draft_s)
-        ]
-        if self.tp_world_size > 1:  # decisions from rank 0's clock only
-            from vllm.distributed import get_tp_group
-
-            t = torch.tensor(values, dtype=torch.float64, device=self.runner.device)
-            t = get_tp_group().broadcast(t, src=0)
-            values = [float(x) for x in t.cpu()]
-        pass_s, step_s, draft_s = values
-        if pass_s > 0 and step_s > 0:
+        draft_s, step_s = observation.draft_and_plain_seconds()
+        pass_s = observation.costs.scoring
+        self._draft_s, self._verify_s, self._pass_s = draft_s, step_s, pass_s
+        if pass_s is not None and step_s is not None:
             search.set_pass_cost(pass_s, step_s)
-        if draft_s > 0 and step_s > 0:
+        if draft_s is not None and step_s is not None:
             search.observe_costs(draft_s, step_s)
 
     # ---- windows and scoring passes ---------------------------------------------------------
 
-    def _window(
-        self, decoding: Sequence[bool], num_tokens_no_spec: np.ndarray, token_ids_cpu: np.ndarray
-    ) -> dict[str, Any] | None:
+    def _window(self, decoding: Sequence[bool]) -> dict[str, Any] | None:
         """The most recent verified generated tokens of the decoding requests (same on every
         rank: it depends only on the input batch)."""
         cfg = self.config
-        batch = self.runner.input_batch
+        view = self.runner_view
+        num_prompt_tokens = view.num_prompt_tokens
+        num_tokens_no_spec, token_ids_cpu = view.num_tokens_no_spec, view.token_ids_cpu
         rows: list[int] = []
         starts: list[int] = []
         lengths: list[int] = []
@@ -254,7 +240,7 @@ class OnlineSelector:
             if not sampled:
                 continue
             n = int(num_tokens_no_spec[row])
-            prompt = int(batch.num_prompt_tokens[row])
+            prompt = int(num_prompt_tokens[row])
             generated = n - prompt
             if generated < max(cfg.min_tokens, 2):
                 continue
@@ -291,24 +277,16 @@ class OnlineSelector:
         assert search is not None
         candidates = search.next_candidates()
         t0 = time.perf_counter()
-        emitted = torch.from_numpy(window["targets"]).to(self.runner.device)
-        # Targets: the full model's argmax under the same attention as the candidates (no
-        # diagonal), so that the comparison isolates the skipped sub-layers; its agreement with
-        # the emitted tokens is kept as a diagnostic.
-        reference = score_forward(self._run, window, SkipSet((), ()))
-        targets = reference.argmax(dim=-1)
-        positions = int(targets.numel())
-        self.counters["reference_hits"] += int((targets == emitted).sum().item())
-        self.counters["reference_positions"] += positions
+        scorer = WindowMatchness(self._run, window, self.runner_view.device)
+        self.counters["reference_hits"] += scorer.reference_hits
+        self.counters["reference_positions"] += scorer.positions
         for cand in candidates:
-            logits = score_forward(self._run, window, cand)
-            hits = int((logits.argmax(dim=-1) == targets).sum().item())
+            result = scorer.score(cand)
             self.counters["passes"] += 1
-            self.counters["scored_positions"] += positions
-            search.report(cand, hits, positions)
+            self.counters["scored_positions"] += result.positions
+            search.report(cand, result.matches, result.positions)
         if candidates:
-            per_step = time.perf_counter() - t0
-            self._pass_s = _ema(self._pass_s, per_step, 0.2)
+            self.costs.observe_scoring(time.perf_counter() - t0)
 
     def _on_converged(self) -> None:
         assert self.search is not None
@@ -395,10 +373,6 @@ class OnlineSelector:
         return out
 
 
-def _ema(previous: float | None, value: float, weight: float = 0.1) -> float:
-    return value if previous is None else (1 - weight) * previous + weight * value
-
-
 def _write_at_exit(ref: weakref.ref) -> None:
     selector = ref()
     if selector is None or selector.search is None:
@@ -409,6 +383,34 @@ def _write_at_exit(ref: weakref.ref) -> None:
         selector.write_profile()
     except Exception as exc:  # never fail interpreter shutdown
         logger.warning("selfspec online: could not write the profile at exit: %s", exc)
+
+
+class WindowMatchness:
+    """The online :class:`~vllm_selfspec.layers.matchness.MatchnessScorer`: matchness of skip
+    sets over one window of the running requests' verified tokens, on the served model.
+
+    Construction runs the reference pass (nothing skipped) under the same attention as the
+    candidates (no diagonal, see :func:`score_forward`): its argmax is the target, so a score
+    isolates the skipped sub-layers; its agreement with the emitted tokens is kept as a
+    diagnostic (``reference_hits``). Each :meth:`score` is one draft-mode forward."""
+
+    def __init__(self, run: Any, window: dict[str, Any], device: torch.device) -> None:
+        self._run = run
+        self._window = window
+        emitted = torch.from_numpy(window["targets"]).to(device)
+        self._targets = score_forward(run, window, SkipSet((), ())).argmax(dim=-1)
+        self.positions = int(self._targets.numel())
+        self.reference_hits = int((self._targets == emitted).sum().item())
+
+    def score(self, skip: SkipSet, keep_hits: bool = False) -> MatchResult:
+        ok = score_forward(self._run, self._window, skip).argmax(dim=-1) == self._targets
+        matches = int(ok.sum().item())
+        hits: list[list[bool]] = []
+        if keep_hits:  # per window row
+            flat = ok.tolist()
+            ends = np.cumsum(self._window["lengths"])
+            hits = [flat[e - n:e] for e, n in zip(ends, self._window["lengths"], strict=True)]
+        return MatchResult(matches / max(self.positions, 1), matches, self.positions, hits)
 
 
 def score_forward(run: Any, window: dict[str, Any], cand: SkipSet) -> torch.Tensor:

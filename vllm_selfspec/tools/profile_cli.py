@@ -266,7 +266,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
         from vllm_selfspec.layers.search import prompts as prompt_sets
         from vllm_selfspec.layers.search.cost import LinearCostModel, estimate_speedup
         from vllm_selfspec.layers.search.matchness import (
-            MatchnessScorer,
+            HFMatchnessScorer,
             generate_references,
             load_model,
             simulate_chain_acceptance,
@@ -276,7 +276,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
         model, tok = load_model(args.model, args.dtype, args.device)
         texts, _ = prompt_sets.load_prompt_texts(args.prompts, args.num_prompts, tok, args.chat)
         refs = generate_references(model, tok, texts, args.max_new_tokens)
-        scorer = MatchnessScorer(model, refs, context=args.context)
+        scorer = HFMatchnessScorer(model, refs, context=args.context)
         res = scorer.score(skip, keep_hits=True)
         if args.cost == "params":
             cost = LinearCostModel.from_parameters(model, args.overhead, args.verify_slope)

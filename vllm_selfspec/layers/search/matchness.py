@@ -1,4 +1,5 @@
-"""Teacher-forced matchness of a layer-skip draft, on a Hugging Face ``transformers`` model.
+"""Teacher-forced matchness of a layer-skip draft, on a Hugging Face ``transformers`` model: the
+offline backend of :class:`~vllm_selfspec.layers.matchness.MatchnessScorer`.
 
 Matchness (SWIFT's name) is the fraction of positions of a reference continuation at which the
 draft's argmax equals the full model's argmax. Over text the full model generated greedily it
@@ -36,6 +37,7 @@ from typing import Any
 
 import torch
 
+from vllm_selfspec.layers.matchness import MatchResult
 from vllm_selfspec.layers.skip_set import SkipSet
 
 logger = logging.getLogger("vllm.selfspec.search")
@@ -315,16 +317,6 @@ def generate_references(
 
 
 @dataclass
-class MatchResult:
-    """Matchness of one skip set: ``matches / positions``; ``hits`` per reference position."""
-
-    matchness: float
-    matches: int
-    positions: int
-    hits: list[list[bool]] = field(default_factory=list, repr=False)
-
-
-@dataclass
 class _Chunk:
     rows: list[int]  # reference indices
     full_ids: torch.Tensor  # [B, Tk] right padded
@@ -339,8 +331,9 @@ class _Chunk:
     layer_inputs: list[torch.Tensor] = field(default_factory=list)
 
 
-class MatchnessScorer:
-    """Scores skip sets by teacher-forced matchness over fixed references.
+class HFMatchnessScorer:
+    """The offline :class:`~vllm_selfspec.layers.matchness.MatchnessScorer`: teacher-forced
+    matchness of skip sets over fixed references, on a Hugging Face model.
 
     Construction runs the full model once over every reference (prompt + continuation) and keeps
     its argmax at each continuation position as the target (and, for ``context="target"``, every

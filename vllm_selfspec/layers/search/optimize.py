@@ -40,13 +40,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vllm_selfspec.layers.matchness import MatchnessScorer
 from vllm_selfspec.layers.search.cost import (
     COST_KINDS,
     LinearCostModel,
     SpeedupEstimate,
     estimate_speedup,
 )
-from vllm_selfspec.layers.search.matchness import CONTEXTS, MatchnessScorer, Reference
+from vllm_selfspec.layers.search.matchness import CONTEXTS, HFMatchnessScorer, Reference
 from vllm_selfspec.layers.skip_set import SkipSet
 
 logger = logging.getLogger("vllm.selfspec.search")
@@ -503,7 +504,7 @@ class LayerSearch:
         self.cost = self._cost_model(self.study, self.searchable)
         self.log(self.cost.summary())
         t0 = time.perf_counter()
-        self.scorer = MatchnessScorer(self.model, refs, context=cfg.context)
+        self.scorer: MatchnessScorer = HFMatchnessScorer(self.model, refs, context=cfg.context)
         self.log(f"scorer ready: {self.scorer.positions} positions over {len(refs)} prompts "
                  f"({cfg.context} context), {time.perf_counter() - t0:.1f} s")
         self._load_completed()
@@ -544,7 +545,7 @@ class LayerSearch:
             num_positions=self.scorer.positions,
             wall_s=wall,
             interrupted=interrupted,
-            info={"reference_disagreements": self.scorer.reference_disagreements,
+            info={"reference_disagreements": getattr(self.scorer, "reference_disagreements", 0),
                   "session_wall_s": sessions, "total_wall_s": round(sum(sessions), 1),
                   "duplicates": self._duplicates,
                   "num_layers": self.num_layers, "searchable": list(self.searchable),

@@ -40,7 +40,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from vllm_selfspec.plugin.engine_markers import wants_device_drafter
-from vllm_selfspec.plugin.patches._shared import SENTINEL as _SENTINEL
+from vllm_selfspec.plugin.patches._shared import already_wrapped, install
+from vllm_selfspec.plugin.runner_view import RunnerView
 
 if TYPE_CHECKING:
     import torch
@@ -52,7 +53,7 @@ if TYPE_CHECKING:
 def patch_runner_input_fits_in_drafter(runner: Any) -> None:
     """Instance patch on one selfspec model runner (never on the class)."""
     original = runner._input_fits_in_drafter
-    if getattr(original, _SENTINEL, False):
+    if already_wrapped(original):
         return
 
     def _input_fits_in_drafter(common_attn_metadata):
@@ -60,9 +61,7 @@ def patch_runner_input_fits_in_drafter(runner: Any) -> None:
         # there is nothing to draft for.
         return common_attn_metadata is not None
 
-    setattr(_input_fits_in_drafter, _SENTINEL, True)
-    _input_fits_in_drafter.__wrapped__ = original  # type: ignore[attr-defined]
-    runner._input_fits_in_drafter = _input_fits_in_drafter
+    install(runner, "_input_fits_in_drafter", _input_fits_in_drafter, original)
 
 
 def patch_runner_cpu_discarded_generators(runner: Any) -> None:
@@ -80,7 +79,7 @@ def patch_runner_cpu_discarded_generators(runner: Any) -> None:
     from vllm.platforms import current_platform
 
     original = getattr(runner, "_bookkeeping_sync", None)
-    if original is None or getattr(original, _SENTINEL, False) or not current_platform.is_cpu():
+    if original is None or already_wrapped(original) or not current_platform.is_cpu():
         return
 
     def _bookkeeping_sync(*args: Any, **kwargs: Any) -> Any:
@@ -96,9 +95,7 @@ def patch_runner_cpu_discarded_generators(runner: Any) -> None:
         finally:
             generators.update(hidden)
 
-    setattr(_bookkeeping_sync, _SENTINEL, True)
-    _bookkeeping_sync.__wrapped__ = original  # type: ignore[attr-defined]
-    runner._bookkeeping_sync = _bookkeeping_sync
+    install(runner, "_bookkeeping_sync", _bookkeeping_sync, original)
 
 
 # --- 8. the device drafter on the model runner --------------------------------------------------
@@ -147,7 +144,7 @@ def _patch_runner_init(module: Any) -> None:
     ours). Other engines are untouched."""
     cls = module.GPUModelRunner
     original = cls.__init__
-    if getattr(original, _SENTINEL, False):
+    if already_wrapped(original):
         return
 
     @functools.wraps(original)
@@ -170,8 +167,7 @@ def _patch_runner_init(module: Any) -> None:
             )
         _patch_device_drafter_runner(self, drafter)
 
-    setattr(__init__, _SENTINEL, True)
-    cls.__init__ = __init__
+    install(cls, "__init__", __init__, original)
 
 
 def _patch_device_drafter_runner(runner: Any, drafter: Any) -> None:
@@ -191,7 +187,7 @@ def patch_runner_take_draft_token_ids(runner: Any, trim: Any) -> None:
     drafts the same length for every row; this is where per-request budgets and the confidence
     exit cut them, at the point vLLM moves drafts to the host anyway."""
     original = runner.take_draft_token_ids
-    if getattr(original, _SENTINEL, False):
+    if already_wrapped(original):
         return
 
     def take_draft_token_ids() -> Any:
@@ -202,9 +198,7 @@ def patch_runner_take_draft_token_ids(runner: Any, trim: Any) -> None:
             result, draft_token_ids=trim(result.req_ids, result.draft_token_ids)
         )
 
-    setattr(take_draft_token_ids, _SENTINEL, True)
-    take_draft_token_ids.__wrapped__ = original  # type: ignore[attr-defined]
-    runner.take_draft_token_ids = take_draft_token_ids
+    install(runner, "take_draft_token_ids", take_draft_token_ids, original)
 
 
 def rejected_from_sampled(sampled_token_ids: Any, num_draft_tokens: Any) -> torch.Tensor:
@@ -246,7 +240,7 @@ def patch_runner_propose_without_drafts(
     n-grams that end in them.
     """
     original = runner.propose_draft_token_ids
-    if getattr(original, _SENTINEL, False):
+    if already_wrapped(original):
         return
 
     def propose_draft_token_ids(
@@ -272,8 +266,7 @@ def patch_runner_propose_without_drafts(
             )
             if drafts is not None:
                 # what vLLM's method resets before proposing: no draft probabilities this step
-                runner._draft_probs = None
-                runner._draft_prob_req_ids = None
+                RunnerView(runner).set_draft_probs(None, None)
                 return drafts
         return original(
             scheduler_output,
@@ -288,9 +281,7 @@ def patch_runner_propose_without_drafts(
             **kwargs,
         )
 
-    setattr(propose_draft_token_ids, _SENTINEL, True)
-    propose_draft_token_ids.__wrapped__ = original  # type: ignore[attr-defined]
-    runner.propose_draft_token_ids = propose_draft_token_ids
+    install(runner, "propose_draft_token_ids", propose_draft_token_ids, original)
 
 
 def patch_runner_sample_without_drafts(
@@ -310,7 +301,7 @@ def patch_runner_sample_without_drafts(
     Can go once vLLM keys the speculative path on the scheduled drafts.
     """
     original = runner._sample
-    if getattr(original, _SENTINEL, False):
+    if already_wrapped(original):
         return
 
     def _sample(logits: Any, spec_decode_metadata: Any) -> Any:
@@ -320,6 +311,4 @@ def patch_runner_sample_without_drafts(
                 on_plain_step()
         return original(logits, spec_decode_metadata)
 
-    setattr(_sample, _SENTINEL, True)
-    _sample.__wrapped__ = original  # type: ignore[attr-defined]
-    runner._sample = _sample
+    install(runner, "_sample", _sample, original)
