@@ -73,6 +73,7 @@ from vllm_selfspec.control.step_costs import StepCostRecorder
 from vllm_selfspec.drafting.cost_feed import CostFeed
 from vllm_selfspec.drafting.prompt_lookup import valid_sampled
 from vllm_selfspec.drafting.skip_forward import LayerSkipForward, decoder_stack
+from vllm_selfspec.layers.online_scoring import online_selector
 from vllm_selfspec.plugin.engine_markers import ADDITIONAL_CONFIG_KEY
 from vllm_selfspec.plugin.runner_view import RunnerView
 
@@ -192,18 +193,8 @@ class SelfSpecDeviceProposer(DraftModelProposer):
         self._lookups: dict[str, list[int]] = {}
         # Online layer selection: the search, the eager draft it explores with, and a compiled
         # draft per skip set it settled on.
-        self.online: Any = None
-        if self.settings.layer_selection == "online":
-            from vllm_selfspec.layers.online_scoring import OnlineSelector
-
-            self.online = OnlineSelector(
-                self.settings,
-                runner_view=self.runner_view,
-                vllm_config=vllm_config,
-                k_max=self.k_max,
-                costs=self._costs,
-                tp_rank=self._cost_feed.rank,
-            )
+        self.online = online_selector(self.settings, self.runner_view, vllm_config, self.k_max,
+                                      self._costs, self._cost_feed.rank)
         self._explorer: SelfDraftModel | None = None
         self._compiled: dict[tuple[frozenset[int], frozenset[int]], SelfDraftModel] = {}
         self._handed_lookup: set[str] = set()

@@ -30,6 +30,7 @@ from vllm_selfspec.drafting.batch_forward import skip_model_logits
 from vllm_selfspec.drafting.cost_feed import CostFeed
 from vllm_selfspec.drafting.skip_forward import LayerSkipForward
 from vllm_selfspec.errors import SelfSpecConfigError
+from vllm_selfspec.layers.online_scoring import online_selector
 from vllm_selfspec.plugin.engine_markers import ADDITIONAL_CONFIG_KEY
 from vllm_selfspec.plugin.patches.model_runner import (
     patch_runner_cpu_discarded_generators,
@@ -84,18 +85,8 @@ class SelfSpecProposer:
         self._next_log = time.monotonic() + _log_interval()
         self._bad_override_warned: set[str] = set()
         # On-the-fly layer selection (changes skip_attention / skip_mlp between draft rounds).
-        self.online: Any = None
-        if self.settings.layer_selection == "online":
-            from vllm_selfspec.layers.online_scoring import OnlineSelector
-
-            self.online = OnlineSelector(
-                self.settings,
-                runner_view=self.runner_view,
-                vllm_config=vllm_config,
-                k_max=self.k_max,
-                costs=self._costs,
-                tp_rank=self._tp_rank,
-            )
+        self.online = online_selector(self.settings, self.runner_view, vllm_config, self.k_max,
+                                      self._costs, self._tp_rank)
         self.counters: dict[str, int] = {
             "steps": 0,
             "steps_with_drafts": 0,

@@ -386,6 +386,21 @@ def _write_at_exit(ref: weakref.ref) -> None:
         logger.warning("selfspec online: could not write the profile at exit: %s", exc)
 
 
+def online_selector(
+    settings: Any,
+    runner_view: RunnerView,
+    vllm_config: Any,
+    k_max: int,
+    costs: StepCostRecorder,
+    tp_rank: int,
+) -> OnlineSelector | None:
+    """A drafter's online layer selection, or None unless ``layer_selection="online"``."""
+    if settings.layer_selection != "online":
+        return None
+    return OnlineSelector(settings, runner_view=runner_view, vllm_config=vllm_config,
+                          k_max=k_max, costs=costs, tp_rank=tp_rank)
+
+
 class WindowMatchness:
     """The online :class:`~vllm_selfspec.layers.matchness.MatchnessScorer`: matchness of skip
     sets over one window of the running requests' verified tokens, on the served model.

@@ -60,19 +60,10 @@ __all__ = [
 ]
 
 
-def estimated_speedup(
-    a: float,
-    c_draft: float,
-    k_max: int,
-    verify_cost: Callable[[int], float] | None = None,
-    allow_zero: bool = True,
-) -> tuple[float, int]:
-    """``(max over k in 1..k_max of E[tokens](a, k) / (k * c_draft + v(k)), that k)`` with the
-    controller's model (:func:`~vllm_selfspec.control.controller.best_speedup`): ``v(k)`` the
-    verification of ``k`` drafts in plain steps (None: free, ``v = 1``); (1.0, 0) when no draft
-    length beats plain decoding, unless ``allow_zero`` is False."""
-    return best_speedup(a, k_max, draft_cost=c_draft, verify_cost=verify_cost,
-                        allow_zero=allow_zero)
+def estimated_speedup(a: float, c_draft: float, k_max: int) -> tuple[float, int]:
+    """:func:`~vllm_selfspec.control.controller.best_speedup` with verification free (the
+    search's estimate before a verification is measured)."""
+    return best_speedup(a, k_max, draft_cost=c_draft)
 
 
 @dataclass(frozen=True)
@@ -316,8 +307,8 @@ class OnlineLayerSearch:
         rec = self._records.get(candidate)
         if rec is None or rec.positions == 0:
             return 1.0
-        return estimated_speedup(rec.matchness, self.c_draft(candidate), self.k_max,
-                                 self.verify_cost, allow_zero=False)[0]
+        return best_speedup(rec.matchness, self.k_max, draft_cost=self.c_draft(candidate),
+                            verify_cost=self.verify_cost, allow_zero=False)[0]
 
     def matchness(self, candidate: SkipSet) -> float | None:
         rec = self._records.get(candidate)
@@ -384,9 +375,8 @@ class OnlineLayerSearch:
             "matchness": self.matchness(inc),
             "scored_positions": self._records[inc].positions if inc in self._records else 0,
             "estimated_speedup": round(self.objective(inc), 4),
-            "draft_k": estimated_speedup(
-                self.matchness(inc) or 0.0, self.c_draft(inc), self.k_max, self.verify_cost
-            )[1],
+            "draft_k": best_speedup(self.matchness(inc) or 0.0, self.k_max,
+                                    draft_cost=self.c_draft(inc), verify_cost=self.verify_cost)[1],
             "draft_ratio": round(self.draft_ratio, 4),
             "score_interval": self.score_interval,
             "candidates_scored": len(self._records),
