@@ -32,7 +32,13 @@ from vllm_selfspec.control.source_choice import (
     DEFAULT_PROMPT_LOOKUP_MIN,
     DRAFT_SOURCES,
 )
-from vllm_selfspec.errors import SelfSpecConfigError, check_known_keys, did_you_mean, is_int
+from vllm_selfspec.errors import (
+    SelfSpecConfigError,
+    check_known_keys,
+    check_required_keys,
+    did_you_mean,
+    is_int,
+)
 from vllm_selfspec.layers.profiles import (
     DEFAULT_ADAPTIVE,
     DEFAULT_DRAFT_SAMPLING,
@@ -264,9 +270,7 @@ class SelfSpecSettings(DraftKnobs):
         if not isinstance(d, Mapping):
             raise SelfSpecConfigError(f"selfspec settings must be a mapping, got {d!r}")
         check_known_keys(d, list(cls.model_fields), "selfspec settings")
-        missing = [k for k in _REQUIRED if k not in d]
-        if missing:
-            raise SelfSpecConfigError(f"selfspec settings: missing key(s) {', '.join(missing)}")
+        check_required_keys(d, _REQUIRED, "selfspec settings")
         return cls(**dict(d))
 
     def describe(self) -> str:

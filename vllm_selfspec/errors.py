@@ -14,6 +14,7 @@ __all__ = [
     "ProfileError",
     "SelfSpecConfigError",
     "check_known_keys",
+    "check_required_keys",
     "did_you_mean",
     "is_int",
 ]
@@ -55,3 +56,18 @@ def check_known_keys(
                 f"{where}: unknown key {key!r}{did_you_mean(key, allowed)}; "
                 f"allowed keys: {', '.join(allowed)}"
             )
+
+
+def check_required_keys(
+    keys: Iterable[object],
+    required: Sequence[str],
+    where: str,
+    error: type[ValueError] = SelfSpecConfigError,
+    note: str = "",
+) -> None:
+    """Raise ``error`` listing every key of ``required`` missing from ``keys`` (``note``: what
+    follows the list, e.g. what the mapping needs)."""
+    present = set(keys)
+    missing = [k for k in required if k not in present]
+    if missing:
+        raise error(f"{where}: missing key(s) {', '.join(missing)}{note}")

@@ -48,6 +48,7 @@ from vllm_selfspec.errors import (
     ProfileError,
     SelfSpecConfigError,
     check_known_keys,
+    check_required_keys,
     did_you_mean,
     is_int,
 )
@@ -336,12 +337,8 @@ class ModelFingerprint(Schema):
             )
         allowed = ("name",) + _COMPARED_FIELDS
         check_known_keys(d, allowed, where, ProfileError)
-        missing = [k for k in _COMPARED_FIELDS if k not in d]
-        if missing:
-            raise ProfileError(
-                f"{where}: missing key(s) {', '.join(missing)}; "
-                f"required: {', '.join(_COMPARED_FIELDS)}"
-            )
+        check_required_keys(d, _COMPARED_FIELDS, where, ProfileError,
+                            f"; required: {', '.join(_COMPARED_FIELDS)}")
         try:
             return cls(
                 architecture=d["architecture"],
@@ -526,12 +523,9 @@ def _profile_from_data(data: Any, name: str, path: str) -> Profile:
         raise ProfileError(f"{label}: the top level must be a JSON object, got {json_type(data)}")
     allowed = _REQUIRED_KEYS + _OPTIONAL_KEYS
     check_known_keys(data, allowed, label, ProfileError)
-    missing = [k for k in _REQUIRED_KEYS if k not in data]
-    if missing:
-        raise ProfileError(
-            f"{label}: missing key(s) {', '.join(missing)}; a profile needs "
-            f"{', '.join(_REQUIRED_KEYS)} (and optionally {', '.join(_OPTIONAL_KEYS)})"
-        )
+    check_required_keys(data, _REQUIRED_KEYS, label, ProfileError,
+                        f"; a profile needs {', '.join(_REQUIRED_KEYS)} (and optionally "
+                        f"{', '.join(_OPTIONAL_KEYS)})")
     version = data["schema_version"]
     if not is_int(version) or version != SCHEMA_VERSION:
         raise ProfileError(
