@@ -91,6 +91,7 @@ from typing import Any
 
 import numpy as np
 
+from vllm_selfspec.control.observation import StepObservation
 from vllm_selfspec.control.step_costs import StepCosts, bucket
 
 logger = logging.getLogger("vllm.selfspec.controller")
@@ -382,6 +383,15 @@ class DraftLengthController:
                                cap=cfg.k_max, interval=cfg.probe_interval)
             self._states[req_id] = st
         return st
+
+    def observe(self, observation: StepObservation) -> None:
+        """One engine step: every verification of layer-skip drafts
+        (:meth:`observe_verification`), then the state of requests that left the batch is
+        dropped (:meth:`retain`)."""
+        for v in observation.verified:
+            self.observe_verification(v.req_id, drafted=v.drafted, accepted=v.accepted,
+                                      confidences=v.confidences)
+        self.retain(observation.req_ids)
 
     def retain(self, active_req_ids: Iterable[str]) -> None:
         """Drop the state of every request not in ``active_req_ids`` (unknown ids are ignored)."""

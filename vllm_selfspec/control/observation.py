@@ -1,10 +1,10 @@
 """What one engine step showed a drafter, the same on every tensor-parallel rank.
 
 Both drafters build one :class:`StepObservation` per step, after the verification of their
-previous drafts and before the next draft round, and hand it to online layer selection; the
-draft-length controller is fed the same step (its per-request outcomes, and the same cost table).
-Everything in it is identical across TP ranks: the rows and the verified counts follow from the
-input batch and the sampled tokens, and ``costs`` is rank 0's measured table, which
+previous drafts and before the next draft round, and hand it to the draft-length controller
+(:meth:`~vllm_selfspec.control.controller.DraftLengthController.observe`) and to online layer
+selection. Everything in it is identical across TP ranks: the rows and the verified counts follow
+from the input batch and the sampled tokens, and ``costs`` is rank 0's measured table, which
 :class:`~vllm_selfspec.drafting.cost_feed.CostFeed` broadcasts (the only TP collective the
 drafter's decisions need).
 """
@@ -18,16 +18,36 @@ from vllm_selfspec.control.step_costs import StepCosts
 
 
 @dataclass(frozen=True)
-class StepObservation:
-    """``decoding``: per row of the input batch, whether it sampled a token this step (False: a
-    partial prefill); ``drafted`` / ``accepted``: layer-skip drafts verified this step and how
-    many were accepted (prompt-lookup drafts are not counted); ``costs``: the measured step costs
-    every rank plans with."""
+class Verification:
+    """One request's layer-skip drafts verified this step: ``accepted`` of ``drafted``;
+    ``confidences``: the drafts' top-1 probabilities, in draft order, where the drafter keeps
+    them (they calibrate the draft exit)."""
 
-    decoding: tuple[bool, ...]
+    req_id: str
     drafted: int
     accepted: int
+    confidences: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class StepObservation:
+    """``req_ids`` / ``decoding``: per row of the input batch, its request and whether it sampled
+    a token this step (False: a partial prefill); ``verified``: the requests whose layer-skip
+    drafts were verified this step (prompt-lookup drafts are not in it); ``costs``: the measured
+    step costs every rank plans with."""
+
+    req_ids: tuple[str, ...]
+    decoding: tuple[bool, ...]
+    verified: tuple[Verification, ...]
     costs: StepCosts
+
+    @property
+    def drafted(self) -> int:
+        return sum(v.drafted for v in self.verified)
+
+    @property
+    def accepted(self) -> int:
+        return sum(v.accepted for v in self.verified)
 
     @property
     def batch_size(self) -> int:

@@ -67,7 +67,7 @@ from vllm.v1.spec_decode.draft_model import DraftModelProposer
 
 from vllm_selfspec.config import SelfSpecSettings
 from vllm_selfspec.control.controller import DraftLengthController, running_request_overrides
-from vllm_selfspec.control.observation import StepObservation
+from vllm_selfspec.control.observation import StepObservation, Verification
 from vllm_selfspec.control.source_choice import LOOKUP_MIN_GAIN, LookupAcceptance, lookup_length
 from vllm_selfspec.control.step_costs import StepCostRecorder
 from vllm_selfspec.drafting.cost_feed import CostFeed
@@ -330,9 +330,10 @@ class SelfSpecDeviceProposer(DraftModelProposer):
         start = time.perf_counter()
         req_ids = self.runner_view.req_ids
         discarded = self._discarded(len(req_ids))
-        verified, skip_verified = self._observe_verification(req_ids, num_rejected)
+        verified, observation = self._observe(req_ids, discarded, num_rejected)
+        self.controller.observe(observation)
         if self.online is not None:  # may switch the skip set: between passes only
-            self._online_step(discarded, skip_verified)
+            self._online_step(observation)
         # The gap since the previous pass is one verification step only while the same requests
         # keep decoding (a changed batch means prefills or an idle engine in between).
         if self._last_end is not None and req_ids == self._last_req_ids and not any(discarded):
@@ -390,14 +391,17 @@ class SelfSpecDeviceProposer(DraftModelProposer):
             return [False] * num_reqs
         return [bool(v) for v in mask[:num_reqs]]
 
-    def _observe_verification(
-        self, req_ids: list[str], num_rejected: torch.Tensor | None
-    ) -> tuple[int, tuple[int, int]]:
-        """Feed the controller this step's verification of the drafts handed out last step
-        (drafted: what the scheduler scheduled; accepted: drafted minus vLLM's rejected count);
-        returns how many drafts were verified, and (drafted, accepted) of the layer-skip ones."""
+    def _observe(
+        self, req_ids: list[str], discarded: list[bool], num_rejected: torch.Tensor | None
+    ) -> tuple[int, StepObservation]:
+        """This step's verification of the drafts handed out last step (drafted: what the
+        scheduler scheduled; accepted: drafted minus vLLM's rejected count): lookup drafts go to
+        the source choice, layer-skip ones into the step's observation (with the controller's
+        cost table, rank 0's on every tensor-parallel rank); returns how many drafts were
+        verified in all, and the observation."""
         from_lookup, self._handed_lookup = self._handed_lookup, set()
-        total = skip_drafted = skip_accepted = 0
+        total = 0
+        verified: list[Verification] = []
         if num_rejected is not None and req_ids:
             rejected = num_rejected[: len(req_ids)].tolist()  # one read per step
             scheduled = self.runner_view.spec_token_ids
@@ -412,27 +416,22 @@ class SelfSpecDeviceProposer(DraftModelProposer):
                     assert self.lookup_acceptance is not None
                     self.lookup_acceptance.observe(req_id, drafted, accepted)
                     continue
-                accepted = drafted - int(rejected[row])
-                skip_drafted += drafted
-                skip_accepted += accepted
                 # no confidences: they calibrate Draft & Verify's engine-wide exit, which this
                 # drafter does not apply (drafts_worth_verifying cuts a pass's drafts by cost)
-                self.controller.observe_verification(req_id, drafted=drafted, accepted=accepted)
-        self.controller.retain(req_ids)
+                verified.append(Verification(req_id, drafted, drafted - int(rejected[row])))
         if self.lookup_acceptance is not None:
             self.lookup_acceptance.retain(req_ids)
-        return total, (skip_drafted, skip_accepted)
-
-    def _online_step(self, discarded: list[bool], verified: tuple[int, int]) -> None:
-        """Online layer selection's step: this step's observation, with the controller's cost
-        table (rank 0's on every tensor-parallel rank)."""
-        assert self.online is not None
-        new = self.online.step(StepObservation(
+        return total, StepObservation(
+            req_ids=tuple(req_ids),
             decoding=tuple(not d for d in discarded),
-            drafted=verified[0],
-            accepted=verified[1],
+            verified=tuple(verified),
             costs=self.controller.step_costs,
-        ))
+        )
+
+    def _online_step(self, observation: StepObservation) -> None:
+        """Online layer selection's step."""
+        assert self.online is not None
+        new = self.online.step(observation)
         if new is not None:
             # the acceptance the controller learnt was the old set's: restart it from the new
             # set's matchness on the traffic (the same on every tensor-parallel rank)

@@ -24,7 +24,7 @@ import torch
 
 from vllm_selfspec.config import SelfSpecSettings
 from vllm_selfspec.control.controller import DraftLengthController, running_request_overrides
-from vllm_selfspec.control.observation import StepObservation
+from vllm_selfspec.control.observation import StepObservation, Verification
 from vllm_selfspec.control.step_costs import StepCostRecorder
 from vllm_selfspec.drafting.batch_forward import skip_model_logits
 from vllm_selfspec.drafting.cost_feed import CostFeed
@@ -137,9 +137,11 @@ class SelfSpecProposer:
         req_ids = self.runner_view.req_ids
         drafts: list[list[int]] = [[] for _ in req_ids]
 
-        verified_drafts, accepted = self._observe_verification(req_ids, sampled_token_ids)
+        observation = self._observe(req_ids, sampled_token_ids)
+        verified_drafts = observation.drafted
+        self.controller.observe(observation)
         if self.online is not None:  # may switch the skip set, never inside a draft round
-            self._online_step(sampled_token_ids, (verified_drafts, accepted))
+            self._online_step(observation)
         # The gap since the previous call is one verification step only while the same requests
         # keep decoding: a changed batch means prefills, or an idle engine waiting for requests,
         # either of which would make drafting look far cheaper than it is.
@@ -159,39 +161,34 @@ class SelfSpecProposer:
 
     # --- per-step pieces --------------------------------------------------------------------------
 
-    def _observe_verification(
-        self, req_ids: list[str], sampled: list[list[int]]
-    ) -> tuple[int, int]:
-        """Feed the controller the outcome of the verified drafts; returns how many drafts the
-        step verified and how many of them were accepted."""
+    def _observe(self, req_ids: list[str], sampled: list[list[int]]) -> StepObservation:
+        """This step's observation: the verified drafts (scheduled drafts of the rows that
+        sampled; accepted: the sampled tokens but the bonus one) with their draft confidences,
+        and the controller's cost table (rank 0's on every tensor-parallel rank)."""
         spec_token_ids = self.runner_view.spec_token_ids
         confidences = self._draft_confidences
         self._draft_confidences = {}
-        total = total_accepted = 0
+        verified = []
         for row, req_id in enumerate(req_ids):
             if not sampled[row]:
                 continue
             drafted = sum(1 for t in spec_token_ids[row] if t >= 0)
-            total += drafted
             if drafted:
-                accepted = min(len(sampled[row]) - 1, drafted)
-                total_accepted += accepted
-                self.controller.observe_verification(
-                    req_id, drafted=drafted, accepted=accepted,
-                    confidences=confidences.get(req_id, [])[:drafted])
-        self.controller.retain(req_ids)
-        return total, total_accepted
-
-    def _online_step(self, sampled: list[list[int]], verified: tuple[int, int]) -> None:
-        """Online layer selection's step: this step's observation, with the controller's cost
-        table (rank 0's on every tensor-parallel rank)."""
-        assert self.online is not None
-        new = self.online.step(StepObservation(
+                verified.append(Verification(
+                    req_id, drafted, min(len(sampled[row]) - 1, drafted),
+                    tuple(confidences.get(req_id, [])[:drafted]),
+                ))
+        return StepObservation(
+            req_ids=tuple(req_ids),
             decoding=tuple(bool(tokens) for tokens in sampled),
-            drafted=verified[0],
-            accepted=verified[1],
+            verified=tuple(verified),
             costs=self.controller.step_costs,
-        ))
+        )
+
+    def _online_step(self, observation: StepObservation) -> None:
+        """Online layer selection's step."""
+        assert self.online is not None
+        new = self.online.step(observation)
         if new is not None:
             self._use_skip_set(new)
 
