@@ -21,10 +21,6 @@ def test_draft_and_plain_seconds_read_the_table() -> None:
     obs = _observation(costs)
     draft, plain = obs.draft_and_plain_seconds()
     assert draft == pytest.approx(0.04) and plain == pytest.approx(0.10)
-    verify = obs.verify_cost()
-    assert verify is not None
-    assert verify(0) == pytest.approx(1.0) and verify(2) == pytest.approx(1.6)
-    assert empty.verify_cost() is None  # nothing measured: verification free
     # no plain step at this bucket: the cheapest measured verification stands in (upper bound)
     drafting_only = _observation(StepCosts(verify={(2, 2.0): 0.16}, draft={}))
     assert drafting_only.draft_and_plain_seconds() == (None, pytest.approx(0.16))

@@ -117,27 +117,6 @@ def test_measured_costs_steer_the_objective():
     assert search.objective(cand) < cheap - 0.2
 
 
-def test_objective_uses_the_controllers_model_and_ranks_sets_that_do_not_pay():
-    """The search ranks sets by the controller's single-request model (measured verification
-    included), with at least one draft: where no set pays, the better one still ranks higher
-    (the controller then decides not to draft), instead of every set reading 1.0."""
-    from vllm_selfspec.control.controller import best_speedup
-
-    search = OnlineLayerSearch(8, 4, OnlineSearchConfig(), costs=SubLayerCosts.uniform(8))
-    good, poor = SkipSet.of([1, 2], []), SkipSet.of([1, 2], [3])
-    search.observe_costs(draft_step_s=0.08, verify_step_s=0.1)
-    search.verify_cost = lambda k: 1.0 + 0.5 * k  # verification grows fast (a CPU)
-    search.report(good, 40, 64)
-    search.report(poor, 30, 64)
-    assert search.objective(poor) < search.objective(good) < 1.0
-    assert search.objective(good) == pytest.approx(best_speedup(
-        40 / 64, 4, draft_cost=search.c_draft(good), verify_cost=search.verify_cost,
-        allow_zero=False)[0])
-    # the same model with plain decoding allowed: drafting with the better set does not pay
-    assert best_speedup(40 / 64, 4, draft_cost=search.c_draft(good),
-                        verify_cost=search.verify_cost) == (1.0, 0)
-
-
 def test_restart_on_acceptance_drift():
     cfg = OnlineSearchConfig(seed=0, use_optuna=False, restart_window=50, restart_drop=0.2)
     search = _run(OnlineLayerSearch(8, 4, cfg))

@@ -11,7 +11,6 @@ drafter's decisions need).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from vllm_selfspec.control.step_costs import StepCosts
@@ -62,12 +61,3 @@ class StepObservation:
         draft = float(costs.draft_cost(b, b)) if costs.draft else None
         plain = costs.plain_cost(b) if costs.verify else None
         return draft, plain
-
-    def verify_cost(self) -> Callable[[int], float] | None:
-        """Verifying ``k`` drafts per request at this batch size, in plain steps (the
-        controller's cost model); None while no verification is measured (then: free)."""
-        costs, b = self.costs, max(1, self.batch_size)
-        if not costs.verify:
-            return None
-        plain = costs.plain_cost(b)
-        return lambda k: float(costs.verify_cost(b, float(k))) / plain

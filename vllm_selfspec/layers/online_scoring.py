@@ -222,7 +222,6 @@ class OnlineSelector:
             search.set_pass_cost(pass_s, step_s)
         if draft_s is not None and step_s is not None:
             search.observe_costs(draft_s, step_s)
-        search.verify_cost = observation.verify_cost()
 
     # ---- windows and scoring passes ---------------------------------------------------------
 

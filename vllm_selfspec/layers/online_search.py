@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -62,7 +62,8 @@ __all__ = [
 
 def estimated_speedup(a: float, c_draft: float, k_max: int) -> tuple[float, int]:
     """:func:`~vllm_selfspec.control.controller.best_speedup` with verification free (the
-    search's estimate before a verification is measured)."""
+    search's objective): ``(max over k in 1..k_max of E[tokens](a, k) / (k * c_draft + 1), that
+    k)``; (1.0, 0) when no draft length beats plain decoding."""
     return best_speedup(a, k_max, draft_cost=c_draft)
 
 
@@ -207,9 +208,6 @@ class OnlineLayerSearch:
         self.budget = min(self.budget, n_sub)
         self.budget_step = max(1, n_sub // 8)
         self.draft_ratio = 1.0  # measured draft-step time / verification-step time, full model
-        # verifying k drafts, in plain steps (None: free); the controller's table, so that the
-        # search ranks sets with the model the controller drafts by
-        self.verify_cost: Callable[[int], float] | None = None
         self.score_interval = 1  # score on every ``score_interval``-th call of :meth:`due`
         self.state = "searching"
         self.history: list[dict[str, Any]] = []
@@ -300,15 +298,11 @@ class OnlineLayerSearch:
         return changed
 
     def objective(self, candidate: SkipSet) -> float:
-        """Estimated speedup of drafting with ``candidate`` over plain decoding, with at least
-        one draft (below 1 where drafting does not pay: sets are still ranked there, and the
-        controller, with the same cost model, decides whether to draft); 1.0 when never
-        scored."""
+        """Estimated speedup of ``candidate`` over plain decoding (1.0 when never scored)."""
         rec = self._records.get(candidate)
         if rec is None or rec.positions == 0:
             return 1.0
-        return best_speedup(rec.matchness, self.k_max, draft_cost=self.c_draft(candidate),
-                            verify_cost=self.verify_cost, allow_zero=False)[0]
+        return estimated_speedup(rec.matchness, self.c_draft(candidate), self.k_max)[0]
 
     def matchness(self, candidate: SkipSet) -> float | None:
         rec = self._records.get(candidate)
@@ -375,8 +369,9 @@ class OnlineLayerSearch:
             "matchness": self.matchness(inc),
             "scored_positions": self._records[inc].positions if inc in self._records else 0,
             "estimated_speedup": round(self.objective(inc), 4),
-            "draft_k": best_speedup(self.matchness(inc) or 0.0, self.k_max,
-                                    draft_cost=self.c_draft(inc), verify_cost=self.verify_cost)[1],
+            "draft_k": estimated_speedup(
+                self.matchness(inc) or 0.0, self.c_draft(inc), self.k_max
+            )[1],
             "draft_ratio": round(self.draft_ratio, 4),
             "score_interval": self.score_interval,
             "candidates_scored": len(self._records),
@@ -388,7 +383,7 @@ class OnlineLayerSearch:
         self.total_steps = getattr(self, "total_steps", 0) + getattr(self, "steps", 0)
         self.steps = 0
         self.since_improvement = 0
-        self.best_objective = 0.0
+        self.best_objective = 1.0
         self.budget_scored = 0
         self.budget_best: dict[int, tuple[float, SkipSet]] = {}
         self.budget_blocks: dict[int, int] = {}
