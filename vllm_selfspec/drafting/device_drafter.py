@@ -389,7 +389,7 @@ class SelfSpecDeviceProposer(DraftModelProposer):
         mask = self.runner_view.discarded_rows_mask()
         if mask is None:
             return [False] * num_reqs
-        return [bool(v) for v in mask[:num_reqs]]
+        return [bool(v) for v in mask]  # the view's mask has the batch's rows
 
     def _observe(
         self, req_ids: list[str], discarded: list[bool], num_rejected: torch.Tensor | None

@@ -77,7 +77,7 @@ class SelfSpecProposer:
         self._target: torch.nn.Module | None = None
         self._forward: LayerSkipForward | None = None
         self._cost_feed = CostFeed(self.device)
-        self._tp_world_size, self._tp_rank = self._cost_feed.world_size, self._cost_feed.rank
+        self._tp_rank = self._cost_feed.rank
         self._last_propose_end: float | None = None
         self._last_req_ids: list[str] = []
         self._costs = StepCostRecorder()
