@@ -63,6 +63,11 @@ def test_readme_demo_drafts_and_matches_plain(tmp_path):
     assert result["num_draft_tokens"] > 0, result
     assert result["num_accepted_tokens"] > 0, result
     assert result["outputs_identical"] == NUM_PROMPTS, result
+    # the split by draft source adds up to vLLM's counters (the default drafts by layer skip)
+    by_source = result["by_source"]
+    assert by_source["layer_skip"]["num_draft_tokens"] == result["num_draft_tokens"], result
+    assert by_source["lookup"]["num_draft_tokens"] == 0, result
+    assert "drafts by source    : layer_skip 100% (" in log, tail
     assert f"outputs identical   : {NUM_PROMPTS}/{NUM_PROMPTS}" in log, tail
     assert "acceptance rate" in log and "speedup" in log, tail
     # the converted model matched the shipped profile's fingerprint: its skip set drafted

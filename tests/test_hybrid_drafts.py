@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from tests.drafter_probe import DRAFTER_PROBE_EXTENSION
-from tests.engine_utils import MetricsWindow, drafter_stats, engine, token_ids
+from tests.engine_utils import MetricsWindow, drafter_stats, engine, spec_metrics, token_ids
 from tests.pinned_costs import pin_step_costs
 
 pytestmark = pytest.mark.engine
@@ -187,3 +187,23 @@ def test_tensor_parallel_2_hybrid_greedy_identical(model_dir, reference):
           f"({stats['lookup_accepted']} accepted), "
           f"{stats['draft_tokens'] - stats['lookup_tokens']} layer-skip, "
           f"{stats['draft_passes']} passes")
+
+
+def test_metrics_split_by_source(dev, reference):
+    """``vllm:selfspec_num_*{source=...}`` summed over the sources are vLLM's own spec-decode
+    counters (one engine, counted since it started); the lookup ones are what the drafter counted
+    as accepted lookup tokens; the ``lookup`` engine has no layer-skip drafts, the hybrid ones
+    have both."""
+    from vllm_selfspec.tools.spec_decode_counters import read_source_counters
+
+    kind, llm = dev
+    assert _generate(llm, _workloads()["batch"]) == reference["batch"]
+    by_source = read_source_counters(llm)
+    vllm_counts = spec_metrics(llm)
+    assert set(by_source) == {"lookup", "layer_skip"}, by_source
+    for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+        assert sum(c[key] for c in by_source.values()) == vllm_counts[key], (by_source, key)
+    [stats] = drafter_stats(llm)
+    assert by_source["lookup"]["num_accepted_tokens"] == stats["lookup_accepted"] > 0
+    layer_skip = by_source["layer_skip"]["num_draft_tokens"]
+    assert layer_skip == 0 if kind == "lookup" else layer_skip > 0, by_source

@@ -41,3 +41,28 @@ def test_controller_observes_a_step_as_its_verifications_then_retains_the_batch(
     assert set(by_step._states) == set(by_call._states) == {"a", "b"}
     assert by_step.stats() == by_call.stats()
     assert by_step.plan(["a", "b"]) == by_call.plan(["a", "b"])
+
+
+def test_source_totals_count_each_source_of_a_step() -> None:
+    from vllm_selfspec.control.observation import SourceTotals
+
+    totals = SourceTotals()
+    assert totals.as_dict() == {
+        source: {"draft_tokens": 0, "accepted_tokens": 0, "request_steps": 0}
+        for source in ("lookup", "layer_skip")
+    }
+    step = StepObservation(
+        req_ids=("a", "b", "c"), decoding=(True, True, True),
+        verified=(Verification("a", 4, 1), Verification("b", 0, 0)),
+        costs=StepCosts(), lookup=(Verification("c", 3, 3),),
+    )
+    totals.add(step)
+    totals.add(StepObservation(req_ids=("c",), decoding=(True,), verified=(),
+                               costs=StepCosts(), lookup=(Verification("c", 2, 0),)))
+    assert totals.as_dict() == {
+        "lookup": {"draft_tokens": 5, "accepted_tokens": 3, "request_steps": 2},
+        # a request with nothing drafted is not a draft
+        "layer_skip": {"draft_tokens": 4, "accepted_tokens": 1, "request_steps": 1},
+    }
+    # the controller reads the layer-skip verifications only: lookup ones do not change its sums
+    assert (step.drafted, step.accepted) == (4, 1)

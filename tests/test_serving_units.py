@@ -94,6 +94,57 @@ def test_stat_logger_only_for_selfspec_engines(model_dir):
     assert _sample("vllm:selfspec_decode_request_steps_total") == 0
 
 
+def _totals(lookup, layer_skip):
+    keys = ("request_steps", "draft_tokens", "accepted_tokens")
+    return {"lookup": dict(zip(keys, lookup, strict=True)),
+            "layer_skip": dict(zip(keys, layer_skip, strict=True))}
+
+
+def test_per_source_counters_follow_the_pulled_totals(model_dir, caplog):
+    """The per-source counters advance by what the workers' totals grew between pulls; a TP
+    rank other than the first answers None; the log line gives each source's share since the
+    last line."""
+    from vllm.v1.metrics.loggers import StatLoggerManager
+
+    from vllm_selfspec.plugin.metrics import selfspec_stat_logger
+
+    spec = _vllm_config(model_dir, {"method": "selfspec", "skip_attention": [2],
+                                    "num_speculative_tokens": 3})
+    manager = StatLoggerManager(spec, engine_idxs=[0], enable_default_loggers=False)
+    ours = selfspec_stat_logger(manager)
+    assert ours is not None
+    name = "vllm:selfspec_num_draft_tokens_total"
+    assert _sample(name, source="lookup") == 0 and _sample(name, source="layer_skip") == 0
+    ours.observe_source_totals([(0, _totals((2, 6, 4), (1, 3, 3))), None])
+    ours.observe_source_totals([(0, _totals((5, 15, 9), (1, 3, 3))), None])
+    assert _sample(name, source="lookup") == 15
+    assert _sample(name, source="layer_skip") == 3
+    assert _sample("vllm:selfspec_num_accepted_tokens_total", source="lookup") == 9
+    assert _sample("vllm:selfspec_num_drafts_total", source="lookup") == 5
+    assert _sample("vllm:selfspec_num_drafts_total", source="layer_skip") == 1
+    with caplog.at_level("INFO", logger="vllm.selfspec.metrics"):
+        ours.log()
+        ours.observe_source_totals([(0, _totals((6, 18, 9), (1, 3, 3)))])
+        ours.log()
+        ours.log()  # nothing new: no line
+    lines = [r.getMessage() for r in caplog.records if "by source" in r.getMessage()]
+    assert lines == [
+        "selfspec drafts by source (engine 0): lookup 15 draft tokens in 5 drafts, 0.60 "
+        "accepted; layer_skip 3 draft tokens in 1 drafts, 1.00 accepted",
+        "selfspec drafts by source (engine 0): lookup 3 draft tokens in 1 drafts, 0.00 accepted",
+    ]
+    # the pull wrappers of the front ends are installed once
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    front_end.install_metrics()
+    for cls, attr in ((AsyncLLM, "do_log_stats"), (LLMEngine, "do_log_stats"),
+                      (LLMEngine, "get_metrics")):
+        wrapper = getattr(cls, attr)
+        assert getattr(wrapper, "_vllm_selfspec_patched", False), (cls, attr)
+        assert not getattr(wrapper.__wrapped__, "_vllm_selfspec_patched", False), (cls, attr)
+
+
 def test_flat_vllm_xargs_overrides():
     from vllm_selfspec.control.controller import flat_overrides, validate_request_overrides
 

@@ -67,7 +67,7 @@ from vllm.v1.spec_decode.draft_model import DraftModelProposer
 
 from vllm_selfspec.config import SelfSpecSettings
 from vllm_selfspec.control.controller import DraftLengthController, running_request_overrides
-from vllm_selfspec.control.observation import StepObservation, Verification
+from vllm_selfspec.control.observation import SourceTotals, StepObservation, Verification
 from vllm_selfspec.control.source_choice import LOOKUP_MIN_GAIN, LookupAcceptance, lookup_length
 from vllm_selfspec.control.step_costs import StepCostRecorder
 from vllm_selfspec.drafting.cost_feed import CostFeed
@@ -153,6 +153,7 @@ class SelfSpecDeviceProposer(DraftModelProposer):
         self._last_req_ids: list[str] = []
         self._last_end: float | None = None
         self._bad_override_warned: set[str] = set()
+        self.source_totals = SourceTotals()  # the per-source Prometheus counters read them
         self.counters = {
             "steps": 0,
             "draft_passes": 0,
@@ -402,6 +403,7 @@ class SelfSpecDeviceProposer(DraftModelProposer):
         from_lookup, self._handed_lookup = self._handed_lookup, set()
         total = 0
         verified: list[Verification] = []
+        lookups: list[Verification] = []
         if num_rejected is not None and req_ids:
             rejected = num_rejected[: len(req_ids)].tolist()  # one read per step
             scheduled = self.runner_view.spec_token_ids
@@ -415,18 +417,22 @@ class SelfSpecDeviceProposer(DraftModelProposer):
                     self.counters["lookup_accepted"] += accepted
                     assert self.lookup_acceptance is not None
                     self.lookup_acceptance.observe(req_id, drafted, accepted)
+                    lookups.append(Verification(req_id, drafted, accepted))
                     continue
                 # no confidences: they calibrate Draft & Verify's engine-wide exit, which this
                 # drafter does not apply (drafts_worth_verifying cuts a pass's drafts by cost)
                 verified.append(Verification(req_id, drafted, drafted - int(rejected[row])))
         if self.lookup_acceptance is not None:
             self.lookup_acceptance.retain(req_ids)
-        return total, StepObservation(
+        observation = StepObservation(
             req_ids=tuple(req_ids),
             decoding=tuple(not d for d in discarded),
             verified=tuple(verified),
             costs=self.controller.step_costs,
+            lookup=tuple(lookups),
         )
+        self.source_totals.add(observation)
+        return total, observation
 
     def _online_step(self, observation: StepObservation) -> None:
         """Online layer selection's step."""

@@ -24,7 +24,7 @@ import torch
 
 from vllm_selfspec.config import SelfSpecSettings
 from vllm_selfspec.control.controller import DraftLengthController, running_request_overrides
-from vllm_selfspec.control.observation import StepObservation, Verification
+from vllm_selfspec.control.observation import SourceTotals, StepObservation, Verification
 from vllm_selfspec.control.step_costs import StepCostRecorder
 from vllm_selfspec.drafting.batch_forward import skip_model_logits
 from vllm_selfspec.drafting.cost_feed import CostFeed
@@ -33,6 +33,7 @@ from vllm_selfspec.errors import SelfSpecConfigError
 from vllm_selfspec.layers.online_scoring import online_selector
 from vllm_selfspec.plugin.engine_markers import ADDITIONAL_CONFIG_KEY
 from vllm_selfspec.plugin.patches.model_runner import (
+    install_worker_source_totals,
     patch_runner_cpu_discarded_generators,
     patch_runner_input_fits_in_drafter,
     patch_runner_sample_without_drafts,
@@ -67,6 +68,7 @@ class SelfSpecProposer:
         patch_runner_input_fits_in_drafter(runner)
         patch_runner_cpu_discarded_generators(runner)
         patch_runner_sample_without_drafts(runner)
+        install_worker_source_totals()
         self.runner_view = RunnerView(runner)
         self.device = self.runner_view.device
         self.controller = DraftLengthController.for_settings(self.settings, self.k_max)
@@ -87,6 +89,7 @@ class SelfSpecProposer:
         # On-the-fly layer selection (changes skip_attention / skip_mlp between draft rounds).
         self.online = online_selector(self.settings, self.runner_view, vllm_config, self.k_max,
                                       self._costs, self._tp_rank)
+        self.source_totals = SourceTotals()  # the per-source Prometheus counters read them
         self.counters: dict[str, int] = {
             "steps": 0,
             "steps_with_drafts": 0,
@@ -138,6 +141,7 @@ class SelfSpecProposer:
         drafts: list[list[int]] = [[] for _ in req_ids]
 
         observation = self._observe(req_ids, sampled_token_ids)
+        self.source_totals.add(observation)
         verified_drafts = observation.drafted
         self.controller.observe(observation)
         if self.online is not None:  # may switch the skip set, never inside a draft round

@@ -1,23 +1,45 @@
-"""Optional worker extension: lets a driver read the drafter's counters on every rank.
+"""What a front end or a driver reads from the drafters in the workers.
 
 ``LLM(..., worker_extension_cls="vllm_selfspec.plugin.worker_ext.SelfSpecWorkerExtension")`` then
 ``llm.collective_rpc("selfspec_stats")`` returns one dict per worker.
+
+:func:`source_totals` needs no extension: the front end passes the function itself to
+``collective_rpc`` (vLLM runs a callable as ``function(worker)`` on every worker) when it exports
+the per-source draft counters (:mod:`vllm_selfspec.plugin.metrics`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from vllm_selfspec.control.observation import SourceTotals
+
+
+def _drafter(worker: Any) -> Any:
+    """The worker's selfspec drafter (either kind: both keep :class:`SourceTotals`), or None."""
+    drafter = getattr(getattr(worker, "model_runner", None), "drafter", None)
+    return drafter if isinstance(getattr(drafter, "source_totals", None), SourceTotals) else None
+
+
+def source_totals(worker: Any) -> tuple[int, dict[str, dict[str, int]]] | None:
+    """``(data-parallel rank, the drafter's per-source totals)`` on the first tensor-parallel
+    rank of an engine (every rank of an engine counts the same drafts, in lockstep), None on the
+    others and on workers without a selfspec drafter."""
+    drafter = _drafter(worker)
+    totals = getattr(drafter, "source_totals", None)
+    if totals is None:
+        return None
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    if get_tensor_model_parallel_rank() != 0:
+        return None
+    parallel = worker.vllm_config.parallel_config
+    return int(getattr(parallel, "data_parallel_rank", 0) or 0), totals.as_dict()
+
 
 class SelfSpecWorkerExtension:
     model_runner: Any
 
     def selfspec_stats(self) -> dict[str, Any]:
-        from vllm_selfspec.drafting.host_drafter import SelfSpecProposer
-
-        drafter = getattr(self.model_runner, "drafter", None)
-        if isinstance(drafter, SelfSpecProposer) or type(drafter).__name__ == (
-            "SelfSpecDeviceProposer"
-        ):
-            return drafter.stats()
-        return {}
+        drafter = _drafter(self)
+        return drafter.stats() if drafter is not None else {}

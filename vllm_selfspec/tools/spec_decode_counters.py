@@ -31,6 +31,23 @@ def read_spec_decode_counters(llm: Any) -> dict[str, Any]:
     return found
 
 
+def read_source_counters(llm: Any) -> dict[str, dict[str, float]]:
+    """The selfspec counters split by draft source (``vllm:selfspec_num_drafts`` /
+    ``num_draft_tokens`` / ``num_accepted_tokens``, label ``source``), summed over engines:
+    ``{source: {"num_drafts", "num_draft_tokens", "num_accepted_tokens"}}``; empty for an engine
+    that is not selfspec. ``LLM.get_metrics()`` pulls the drafters' totals first, so they are
+    current."""
+    found: dict[str, dict[str, float]] = {}
+    for metric in llm.get_metrics():
+        name = metric.name.removeprefix("vllm:selfspec_")
+        source = getattr(metric, "labels", {}).get("source")
+        if source is None or name == metric.name or not hasattr(metric, "value"):
+            continue
+        counts = found.setdefault(source, {})
+        counts[name] = counts.get(name, 0) + metric.value
+    return found
+
+
 def counter_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     """``after - before`` for every counter (per-position lists element-wise, missing as 0)."""
     out: dict[str, Any] = {}

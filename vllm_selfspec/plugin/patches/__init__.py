@@ -8,11 +8,12 @@ behaviour of an engine that did not ask for ``"method": "selfspec"``.
   alias; 2. lookahead KV slots.
 * :mod:`.cpu_sampler` (samplers of the CPU build): 3. ``expand_batch_to_tokens``; 6. top-k-only
   sampling on an empty batch of draft tokens.
-* :mod:`.front_end` (front-end process): 5. the plugin's metrics; 7. per-request overrides
-  refused when the request arrives.
-* :mod:`.model_runner` (``GPUModelRunner``): 4. drafting kept per request, CPU generators of
-  discarded rows; 8. the device drafter built in place of vLLM's draft-model proposer; 9. plain
-  sampling on steps without drafts.
+* :mod:`.front_end` (front-end process): 5. the plugin's metrics (and the pull of the per-source
+  draft counters from the workers); 7. per-request overrides refused when the request arrives.
+* :mod:`.model_runner` (``GPUModelRunner``, worker processes): 4. drafting kept per request, CPU
+  generators of discarded rows; 8. the device drafter built in place of vLLM's draft-model
+  proposer; 9. plain sampling on steps without drafts; 10. the workers' per-source draft
+  counters, readable by ``collective_rpc``.
 """
 
 from __future__ import annotations

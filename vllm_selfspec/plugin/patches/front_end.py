@@ -5,6 +5,12 @@
    when vLLM's metrics loggers are already imported): appends the plugin's own Prometheus logger
    (``vllm:selfspec_*`` metrics) to the stat loggers of selfspec engines only. Can go once vLLM
    loads stat loggers from plugins (an offline ``LLM`` takes none from its caller).
+   ``AsyncLLM.do_log_stats``, ``LLMEngine.do_log_stats`` and ``LLMEngine.get_metrics`` (same
+   installation): on selfspec engines with stats on, the wrapper first pulls the drafters'
+   per-source totals from the workers (``collective_rpc`` of patch 10's method) into that logger,
+   then delegates. Only the drafter knows whether a draft came from prompt lookup or from layer
+   skipping, and vLLM carries nothing per source from the workers to its front end. Can go with
+   patch 10.
 7. ``InputProcessor._validate_params`` and ``AsyncLLM.generate`` (front-end process only;
    installed when a selfspec config is built, or at plugin load for the modules already
    imported): per-request overrides (``SamplingParams.extra_args["selfspec"]``, or flat
@@ -67,6 +73,78 @@ def install_metrics(only_if_imported: bool = False) -> None:
             logger.exception("selfspec: could not set up the selfspec metrics")
 
     install(StatLoggerManager, "__init__", __init__, original)
+    _install_source_totals_pull()
+
+
+_PULL_TIMEOUT_S = 5.0
+_pull_failed_warned = False
+
+
+def _source_logger(engine: Any) -> Any:
+    from vllm_selfspec.plugin.metrics import selfspec_stat_logger
+
+    stat_logger = selfspec_stat_logger(getattr(engine, "logger_manager", None))
+    if stat_logger is None or getattr(stat_logger, "pull_disabled", False):
+        return None
+    return stat_logger
+
+
+def _pull_failed(stat_logger: Any, exc: BaseException) -> None:
+    """A failed pull never reaches the caller: the metrics stay where they were. An engine that
+    has no such worker method stops asking."""
+    global _pull_failed_warned
+    if isinstance(exc, NotImplementedError) or "not implemented" in str(exc):
+        stat_logger.pull_disabled = True
+    if not _pull_failed_warned:
+        _pull_failed_warned = True
+        logger.warning("selfspec: could not read the per-source draft counters: %s", exc)
+
+
+def _install_source_totals_pull() -> None:
+    """Wrap the stats entry points of both front ends (see patch 5 above)."""
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    from vllm_selfspec.plugin.metrics import SOURCE_TOTALS_METHOD
+
+    def pull(engine: Any) -> None:
+        stat_logger = _source_logger(engine)
+        if stat_logger is None:
+            return
+        try:
+            results = engine.collective_rpc(SOURCE_TOTALS_METHOD, timeout=_PULL_TIMEOUT_S)
+            stat_logger.observe_source_totals(results)
+        except Exception as exc:  # noqa: BLE001 - metrics must never break the engine
+            _pull_failed(stat_logger, exc)
+
+    for name in ("do_log_stats", "get_metrics"):
+        original = getattr(LLMEngine, name)
+        if already_wrapped(original):
+            continue
+
+        def wrapper(self: Any, *args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            pull(self)
+            return _original(self, *args, **kwargs)
+
+        functools.update_wrapper(wrapper, original)
+        install(LLMEngine, name, wrapper, original)
+
+    original_async = AsyncLLM.do_log_stats
+    if already_wrapped(original_async):
+        return
+
+    @functools.wraps(original_async)
+    async def do_log_stats(self: Any) -> None:
+        stat_logger = _source_logger(self)
+        if stat_logger is not None:
+            try:
+                results = await self.collective_rpc(SOURCE_TOTALS_METHOD, timeout=_PULL_TIMEOUT_S)
+                stat_logger.observe_source_totals(results)
+            except Exception as exc:  # noqa: BLE001 - metrics must never break the engine
+                _pull_failed(stat_logger, exc)
+        await original_async(self)
+
+    install(AsyncLLM, "do_log_stats", do_log_stats, original_async)
 
 
 # --- 7. per-request overrides refused when the request arrives (front end) ----------------------

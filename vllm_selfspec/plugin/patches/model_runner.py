@@ -27,6 +27,13 @@ per-instance patches of selfspec runners.
    it, instead of going through the rejection sampler (see
    :func:`patch_runner_sample_without_drafts`). Can go once vLLM keys the speculative path on
    the scheduled drafts.
+10. ``WorkerWrapperBase.selfspec_source_totals`` (worker processes; added, not wrapped, when a
+   selfspec drafter is built): the per-source draft counters live in the drafter, in the workers,
+   and the front end exports them (:mod:`vllm_selfspec.plugin.metrics`). vLLM's
+   ``collective_rpc`` calls a worker method by name (a function needs
+   ``VLLM_ALLOW_INSECURE_SERIALIZATION``), and a ``worker_extension_cls`` is the user's to set, so
+   the method is added to the worker wrapper every executor calls through. It only reads. Can go
+   once vLLM carries per-source speculative counters from the workers to its metrics.
 """
 
 from __future__ import annotations
@@ -170,8 +177,25 @@ def _patch_runner_init(module: Any) -> None:
     install(cls, "__init__", __init__, original)
 
 
+def install_worker_source_totals() -> None:
+    """Patch 10: ``WorkerWrapperBase.selfspec_source_totals`` (idempotent; called by both
+    drafters, in the worker process, where vLLM's worker module is imported already)."""
+    from vllm.v1.worker.worker_base import WorkerWrapperBase
+
+    from vllm_selfspec.plugin.worker_ext import source_totals
+
+    if hasattr(WorkerWrapperBase, "selfspec_source_totals"):
+        return
+
+    def selfspec_source_totals(self: Any) -> Any:
+        return source_totals(self.worker)
+
+    install(WorkerWrapperBase, "selfspec_source_totals", selfspec_source_totals, source_totals)
+
+
 def _patch_device_drafter_runner(runner: Any, drafter: Any) -> None:
     """The instance patches of a runner that built the device drafter (each below says why)."""
+    install_worker_source_totals()
     patch_runner_input_fits_in_drafter(runner)
     patch_runner_cpu_discarded_generators(runner)
     patch_runner_take_draft_token_ids(runner, drafter.trim)
