@@ -10,7 +10,13 @@ import sys
 import pytest
 
 from vllm_selfspec.control.controller import expected_tokens
-from vllm_selfspec.control.source_choice import LookupAcceptance, lookup_length
+from vllm_selfspec.control.source_choice import (
+    LookupAcceptance,
+    StepDrafts,
+    lookup_length,
+    lookups_that_pay_the_step,
+)
+from vllm_selfspec.control.step_costs import quantise_x
 
 
 def _length(**kw) -> int:
@@ -54,6 +60,54 @@ def test_the_rule_is_expected_tokens_per_time():
     skip = expected_tokens(0.8, 4) / (v(4) + 4 * 0.1)
     assert _pays(lookup_acceptance=0.5, lookup_len=3, skip_acceptance=0.8, verify_cost=v,
                  draft_cost=0.1) == (lookup >= skip and lookup > 1.05)
+
+
+def _step_verify(fixed: float, per_token: float):
+    """A batch's verification cost in plain steps, by draft tokens per request ``x`` (quarters):
+    any drafting leaves the plain path (``fixed``), then each draft token per request costs
+    ``per_token``."""
+    return lambda x: 1.0 if x == 0 else 1.0 + fixed + per_token * x
+
+
+def test_a_lone_lookup_does_not_pay_the_step_where_leaving_the_plain_path_is_dear():
+    # batch 32, one request with a good lookup (E = 2.5 of 3 drafts): +1.5 tokens on 32 is +4.7%,
+    # while any drafting costs 8% of the step (the sampled rejection sampler over the batch)
+    dear = _step_verify(fixed=0.08, per_token=0.05)
+    lone = [(2.5, 3)]
+    assert lookups_that_pay_the_step(batch_size=32, lookups=lone, others=StepDrafts(),
+                                     verify_cost=dear, draft_cost=0.5) == 0
+    # where leaving the plain path is cheap (greedy), the same lookup pays
+    cheap = _step_verify(fixed=0.005, per_token=0.05)
+    assert lookups_that_pay_the_step(batch_size=32, lookups=lone, others=StepDrafts(),
+                                     verify_cost=cheap, draft_cost=0.5) == 1
+    # at batch 1 the lookup is the whole step: it pays
+    assert lookups_that_pay_the_step(batch_size=1, lookups=lone, others=StepDrafts(),
+                                     verify_cost=dear, draft_cost=0.5) == 1
+
+
+def test_many_lookups_pay_the_step_together_and_the_poor_tail_is_cut():
+    dear = _step_verify(fixed=0.08, per_token=0.05)
+    # eight good lookups (E = 2.5 of 3 each) then two that rarely land (E = 1.02 of 4)
+    good, poor = [(2.5, 3)] * 8, [(1.02, 4)] * 2
+    assert lookups_that_pay_the_step(batch_size=32, lookups=good + poor, others=StepDrafts(),
+                                     verify_cost=dear, draft_cost=0.5) == 8
+    # the rule is the batch's tokens per unit of time, prefix by prefix
+    def rate(n: int) -> float:
+        return (32 + 1.5 * min(n, 8) + 0.02 * max(n - 8, 0)) / dear(
+            quantise_x(3 * min(n, 8) + 4 * max(n - 8, 0), 32))
+
+    assert rate(8) > max(rate(0), rate(9), rate(10))
+
+
+def test_a_step_that_verifies_drafts_anyway_takes_a_lone_lookup():
+    # a layer-skip pass runs this step (its drafts already left the plain path): the lookup's
+    # only cost is its own verification
+    dear = _step_verify(fixed=0.08, per_token=0.05)
+    drafting = StepDrafts(tokens=16.0, drafts=64, pass_len=4)
+    assert lookups_that_pay_the_step(batch_size=32, lookups=[(2.5, 3)], others=drafting,
+                                     verify_cost=dear, draft_cost=0.05) == 1
+    assert lookups_that_pay_the_step(batch_size=32, lookups=[], others=drafting,
+                                     verify_cost=dear, draft_cost=0.05) == 0
 
 
 def test_acceptance_per_request_from_the_engine_prior():

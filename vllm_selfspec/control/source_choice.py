@@ -17,6 +17,14 @@ verification alone, whose estimate spreads less than a draft forward's; the cont
 of layer-skip drafts). A step in which every
 drafting request takes its lookup draft runs no draft forward.
 
+The rule above prices each request alone, as if every request of the batch verified as many
+drafts; a step in which *any* request verifies drafts also leaves vLLM's plain path as a whole
+(its rejection sampler runs over the batch: at temperature > 0 on a CPU, about as costly as a few
+requests' drafts). :func:`lookups_that_pay_the_step` then keeps the lookups only while the step
+as a whole gains: expected tokens of the batch over the measured cost of a step verifying that
+many draft tokens per request (the cost table is keyed by exactly that), against the same step
+without them.
+
 Acceptance is measured per request and per source: :class:`LookupAcceptance` keeps the lookup
 drafts' per-token acceptance as the controller keeps the layer-skip drafts' (discounted counts,
 positions up to and including the first rejection count as tried), a new request starting from
@@ -31,6 +39,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from vllm_selfspec.control.controller import best_speedup, expected_tokens
+from vllm_selfspec.control.step_costs import quantise_x
 
 DRAFT_SOURCES = ("layer_skip", "hybrid", "lookup")
 """``layer_skip``: drafts from the layer-skipping forward only (the default). ``lookup``: prompt
@@ -114,3 +123,46 @@ def lookup_length(
     else:
         rate_skip = 1.0
     return best_len if best_rate >= rate_skip and best_rate > 1.0 + min_gain else 0
+
+
+@dataclass(frozen=True)
+class StepDrafts:
+    """What a step drafts besides the lookups being weighed: ``tokens``, the expected tokens it
+    gains over plain decoding (sum over requests of ``E - 1``); ``drafts``, the draft tokens it
+    verifies; ``pass_len``, the layer-skip pass's length (draft forwards)."""
+
+    tokens: float = 0.0
+    drafts: int = 0
+    pass_len: int = 0
+
+
+def lookups_that_pay_the_step(
+    *,
+    batch_size: int,
+    lookups: list[tuple[float, int]],
+    others: StepDrafts,
+    verify_cost: Callable[[float], float],
+    draft_cost: float,
+) -> int:
+    """How many of ``lookups`` (``(expected tokens E, drafts j)`` per request, best first) the
+    step keeps: the prefix that maximises the batch's expected tokens per unit of step time,
+    ``(B + others.tokens + sum(E - 1)) / (v(x) + pass_len * r)`` with ``x`` the draft tokens per
+    request of the whole step (:func:`~vllm_selfspec.control.step_costs.quantise_x`); 0 when
+    no prefix beats the step without lookups. ``verify_cost(x)`` and ``draft_cost`` in plain
+    steps of the batch."""
+    b = max(int(batch_size), 1)
+    forwards = others.pass_len * draft_cost
+
+    def rate(gain: float, drafts: int) -> float:
+        # priced as the cost table measured it: per request, in quarters, any drafting >= 1/4
+        return (b + gain) / (verify_cost(quantise_x(drafts, b)) + forwards)
+
+    best_rate, best_n = rate(others.tokens, others.drafts), 0
+    gain, drafts = others.tokens, others.drafts
+    for n, (expected, j) in enumerate(lookups, start=1):
+        gain += expected - 1.0
+        drafts += j
+        r = rate(gain, drafts)
+        if r > best_rate:
+            best_rate, best_n = r, n
+    return best_n

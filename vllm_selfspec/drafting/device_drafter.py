@@ -66,9 +66,19 @@ from vllm.compilation.decorators import support_torch_compile
 from vllm.v1.spec_decode.draft_model import DraftModelProposer
 
 from vllm_selfspec.config import SelfSpecSettings
-from vllm_selfspec.control.controller import DraftLengthController, running_request_overrides
+from vllm_selfspec.control.controller import (
+    DraftLengthController,
+    expected_tokens,
+    running_request_overrides,
+)
 from vllm_selfspec.control.observation import SourceTotals, StepObservation, Verification
-from vllm_selfspec.control.source_choice import LOOKUP_MIN_GAIN, LookupAcceptance, lookup_length
+from vllm_selfspec.control.source_choice import (
+    LOOKUP_MIN_GAIN,
+    LookupAcceptance,
+    StepDrafts,
+    lookup_length,
+    lookups_that_pay_the_step,
+)
 from vllm_selfspec.control.step_costs import StepCostRecorder
 from vllm_selfspec.drafting.cost_feed import CostFeed
 from vllm_selfspec.drafting.prompt_lookup import valid_sampled
@@ -171,6 +181,8 @@ class SelfSpecDeviceProposer(DraftModelProposer):
             "lookup_tokens": 0,
             "lookup_accepted": 0,
             "lookup_only_steps": 0,  # steps whose every draft was a lookup: no pass
+            # lookups that paid alone but not the step's switch to verification (source_choice)
+            "lookup_step_declined": 0,
             # decoding request-steps planned, and those planned no draft from either source (the
             # benchmarks' "drafting off" share, as the host drafter counts it)
             "rows_considered": 0,
@@ -507,7 +519,53 @@ class SelfSpecDeviceProposer(DraftModelProposer):
                 )]
             if tokens:
                 chosen[req_id] = tokens
+        if hybrid and chosen:
+            chosen = self._lookups_paying_the_step(req_ids, budgets, chosen, draft_cost)
         return chosen
+
+    def _lookups_paying_the_step(
+        self,
+        req_ids: list[str],
+        budgets: list[int],
+        chosen: dict[str, list[int]],
+        draft_cost: float,
+    ) -> dict[str, list[int]]:
+        """The chosen lookups that pay for the step as a whole
+        (:func:`vllm_selfspec.control.source_choice.lookups_that_pay_the_step`). A lookup taken
+        in place of a layer-skip budget stays (that request drafts either way); the lookups of
+        requests that would otherwise not draft are weighed, best gain per draft token first."""
+        assert self.lookup_acceptance is not None
+        others = StepDrafts()
+        weighed: list[tuple[float, str]] = []
+        for req_id, budget in zip(req_ids, budgets, strict=True):
+            tokens = chosen.get(req_id)
+            if tokens is not None:
+                expected = expected_tokens(self.lookup_acceptance.acceptance(req_id), len(tokens))
+                if budget <= 0:
+                    weighed.append((expected, req_id))
+                    continue
+                drafts, pass_len = len(tokens), 0
+            elif budget > 0:
+                expected = expected_tokens(self.controller.request_acceptance(req_id), budget)
+                drafts, pass_len = budget, budget
+            else:
+                continue
+            others = StepDrafts(others.tokens + expected - 1.0, others.drafts + drafts,
+                                max(others.pass_len, pass_len))
+        if not weighed:
+            return chosen
+        weighed.sort(key=lambda e: (e[0] - 1.0) / len(chosen[e[1]]), reverse=True)
+        batch = len(req_ids)
+        keep = lookups_that_pay_the_step(
+            batch_size=batch,
+            lookups=[(expected, len(chosen[req_id])) for expected, req_id in weighed],
+            others=others,
+            verify_cost=lambda x: self.controller.verify_cost_ratio(batch, x),
+            draft_cost=draft_cost,
+        )
+        dropped = {req_id for _, req_id in weighed[keep:]}
+        self.counters["lookup_step_declined"] += len(dropped)
+        return {r: t for r, t in chosen.items() if r not in dropped}
 
     def _sample_from_logits(self, logits: torch.Tensor, sampling_metadata: Any) -> Any:
         """vLLM's draft sampling, from the distribution the request samples from: the
