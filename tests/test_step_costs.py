@@ -216,3 +216,26 @@ def test_plain_step_samples_age_out() -> None:
     assert rec.snapshot().verify[(4, 0.0)] == 2.0 and len(rec.plain_ages(16)) == 15
     with pytest.raises(ValueError):
         StepCostRecorder(max_plain_age=0)
+
+
+def test_cost_curves_are_built_once_per_table_and_answer_as_a_fresh_table() -> None:
+    """The interpolation curves are kept per table (a table serves many plans): repeated calls,
+    scalar or array, answer what a fresh copy of the table answers, and tables do not share
+    them."""
+    import numpy as np
+
+    verify = {(8, 0.0): 0.04, (8, 0.5): 0.07, (8, 2.0): 0.085, (32, 0.0): 0.15, (32, 1.0): 0.3}
+    draft = {8: 0.05, 32: 0.12}
+    table = StepCosts(verify=verify, draft=draft)
+    queries = [(b, x) for b in (1, 6, 8, 20, 32, 64) for x in (0.0, 0.25, 0.9, 3.0, 7.5)]
+    first = [table.verify_cost(b, x) for b, x in queries]
+    again = [table.verify_cost(b, x) for b, x in queries]
+    fresh = [StepCosts(verify=dict(verify), draft=dict(draft)).verify_cost(b, x)
+             for b, x in queries]
+    assert first == again == fresh
+    xs = np.array([0.0, 0.3, 2.5, 9.0])
+    assert np.array_equal(table.verify_cost(8, xs), StepCosts(verify=verify).verify_cost(8, xs))
+    assert table.draft_cost(20, 32) == StepCosts(verify=verify, draft=draft).draft_cost(20, 32)
+    other = StepCosts(verify={(8, 0.0): 1.0})
+    assert other.plain_cost(8) == 1.0 and table.plain_cost(8) == 0.04
+    assert table == StepCosts(verify=verify, draft=draft)  # the curves take no part in equality

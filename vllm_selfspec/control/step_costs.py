@@ -42,6 +42,7 @@ import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -81,6 +82,12 @@ class StepCosts:
     verify: dict[tuple[int, float], float] = field(default_factory=dict)
     draft: dict[int, float] = field(default_factory=dict)
     scoring: float | None = None
+    # per batch-size bucket, the curves verify_cost and draft_cost interpolate on: a table
+    # serves many steps' plans (the planners call these a few dozen times a step), and is
+    # never changed once built
+    _curves: dict[tuple[str, int], Any] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     def __bool__(self) -> bool:
         return bool(self.verify) or bool(self.draft)
@@ -154,22 +161,41 @@ class StepCosts:
         size because it has only been measured at another. With nothing measured the cost is 1.0
         everywhere (unit time, verification free: the paper's assumption until a measurement
         says otherwise)."""
-        b = self._verify_bucket(batch_size)
         xs_in = np.asarray(x, dtype=np.float64)
-        if b is None:
+        curves = self._verify_curves(batch_size)
+        if curves is None:
             out = np.ones_like(xs_in)
             return float(out) if np.ndim(x) == 0 else out
-        px, py = self._curve(b)
-        if px[0] > 0.0:  # no plain step measured: assume verification free below the first x
-            px = np.concatenate([[0.0], px])
-            py = np.concatenate([[py[0]], py])
+        px, py, reference = curves
         out = self._along(px, py, xs_in)
-        ref = self._reference_bucket(b) if (b, 0.0) in self.verify else None
-        if ref is not None:
-            rx, ry = self._curve(ref)
-            scaled = self._along(rx, ry, xs_in) * (py[0] / ry[0])
+        if reference is not None:
+            rx, ry, scale = reference
+            scaled = self._along(rx, ry, xs_in) * scale
             out = np.where(xs_in > px[-1], np.maximum(out, scaled), out)
         return float(out) if np.ndim(x) == 0 else out
+
+    def _verify_curves(self, batch_size: int) -> Any:
+        """``(px, py, reference)`` that :meth:`verify_cost` interpolates for ``batch_size``'s
+        bucket (``reference``: the nearest other bucket's curve and the plain steps' ratio, or
+        None); None with nothing measured. Built once per bucket and table."""
+        key = ("verify", bucket(batch_size))
+        if key in self._curves:
+            return self._curves[key]
+        b = self._verify_bucket(batch_size)
+        curves = None
+        if b is not None:
+            px, py = self._curve(b)
+            if px[0] > 0.0:  # no plain step measured: assume verification free below the first x
+                px = np.concatenate([[0.0], px])
+                py = np.concatenate([[py[0]], py])
+            ref = self._reference_bucket(b) if (b, 0.0) in self.verify else None
+            reference = None
+            if ref is not None:
+                rx, ry = self._curve(ref)
+                reference = (rx, ry, py[0] / ry[0])
+            curves = (px, py, reference)
+        self._curves[key] = curves
+        return curves
 
     def measured_x(self, batch_size: int) -> float:
         """The most draft tokens per request whose verification has been measured in
@@ -192,9 +218,12 @@ class StepCosts:
         if not self.draft:
             out = np.full_like(rows_in, prior_ratio * self.plain_cost(batch_size))
         else:
-            points = sorted(self.draft.items())
-            lx = np.log2([p[0] for p in points])
-            out = np.interp(np.log2(np.maximum(rows_in, 1.0)), lx, [p[1] for p in points])
+            curve = self._curves.get(("draft", 0))
+            if curve is None:
+                points = sorted(self.draft.items())
+                curve = self._curves[("draft", 0)] = (
+                    np.log2([p[0] for p in points]), np.array([p[1] for p in points]))
+            out = np.interp(np.log2(np.maximum(rows_in, 1.0)), *curve)
         out = np.where(rows_in > 0, out, 0.0)
         return float(out) if np.ndim(rows) == 0 else out
 
