@@ -1386,16 +1386,20 @@ def test_device_drafter_over_the_openai_api(device_server, reference):
     assert metric_value(m, "vllm:selfspec_decode_request_steps_total") > 0
     # The counters split by draft source are pulled from the workers once per stats interval
     # (VLLM_LOG_STATS_INTERVAL, 10 s): with the server idle, their sum over the sources reaches
-    # vLLM's own counters within about one interval.
+    # vLLM's own counters within about one interval. vLLM's scheduler leaves out the drafts of a
+    # request that ended while its step ran (an abort, a stop string the front end found) and
+    # structured-output drafts it refused; the drafter verified and counted those. So the split
+    # may exceed vLLM's counters by a little (3 of 614 drafts in one run), never fall short.
     names = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
     deadline = time.monotonic() + 40
     while True:
         m = device_server.metrics()
         split = {n: metric_value(m, f"vllm:selfspec_{n}_total") for n in names}
         vllm_counts = {n: metric_value(m, f"vllm:spec_decode_{n}_total") for n in names}
-        if split == vllm_counts or time.monotonic() > deadline:
+        if all(split[n] >= vllm_counts[n] for n in names) or time.monotonic() > deadline:
             break
         time.sleep(1.0)
-    assert split == vllm_counts, (split, vllm_counts)
+    for n in names:
+        assert vllm_counts[n] <= split[n] <= 1.02 * vllm_counts[n] + 8, (n, split, vllm_counts)
     sources = {lab.get("source") for lab, _ in m["vllm:selfspec_num_draft_tokens_total"]}
     assert sources == {"lookup", "layer_skip"}, sources

@@ -23,7 +23,9 @@ method. Two things a selfspec operator also wants are not there:
     vLLM's ``vllm:spec_decode_num_drafts`` / ``num_draft_tokens`` / ``num_accepted_tokens``
     split by the source of the drafts (prompt lookup or layer skipping, ``"drafts": "hybrid"``):
     request-steps verified with drafts, draft tokens verified, draft tokens accepted. Summed over
-    ``source`` they equal vLLM's counters once the next pull has run (see below).
+    ``source`` they equal vLLM's counters once the next pull has run (see below), but for the
+    drafts of requests that ended while their step ran (an abort, a stop string) or that
+    structured outputs refused: vLLM's scheduler does not count those, the drafter does.
 
 Where the numbers come from: every engine step the scheduler sends :class:`SchedulerStats` (with
 ``SpecDecodingStats``: requests verified with drafts, draft tokens) and the front end builds
