@@ -3,9 +3,9 @@
 ``LLM(..., worker_extension_cls="vllm_selfspec.plugin.worker_ext.SelfSpecWorkerExtension")`` then
 ``llm.collective_rpc("selfspec_stats")`` returns one dict per worker.
 
-:func:`source_totals` needs no extension: the front end passes the function itself to
-``collective_rpc`` (vLLM runs a callable as ``function(worker)`` on every worker) when it exports
-the per-source draft counters (:mod:`vllm_selfspec.plugin.metrics`).
+:func:`source_totals` needs no extension: patch 10 adds it to every worker as the method
+``selfspec_source_totals``, which the front end calls by name through ``collective_rpc`` when it
+exports the per-source draft counters (:mod:`vllm_selfspec.plugin.metrics`).
 """
 
 from __future__ import annotations
@@ -26,15 +26,14 @@ def source_totals(worker: Any) -> tuple[int, dict[str, dict[str, int]]] | None:
     rank of an engine (every rank of an engine counts the same drafts, in lockstep), None on the
     others and on workers without a selfspec drafter."""
     drafter = _drafter(worker)
-    totals = getattr(drafter, "source_totals", None)
-    if totals is None:
+    if drafter is None:
         return None
     from vllm.distributed import get_tensor_model_parallel_rank
 
     if get_tensor_model_parallel_rank() != 0:
         return None
     parallel = worker.vllm_config.parallel_config
-    return int(getattr(parallel, "data_parallel_rank", 0) or 0), totals.as_dict()
+    return int(getattr(parallel, "data_parallel_rank", 0) or 0), drafter.source_totals.as_dict()
 
 
 class SelfSpecWorkerExtension:
