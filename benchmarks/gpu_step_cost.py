@@ -12,6 +12,8 @@ model         hidden  layers         heads  kv  inter  vocab   skip set (draft p
 llama-2-13b   5120    40             40     40  13824  32000   ``llama-2-13b.draft-verify``
 llama-2-70b   8192    80 (40 built)  64     8   28672  32000   ``llama-2-70b.draft-verify``
 llama-3-8b    4096    32             32     8   14336  128256  depth default (no profile)
+smollm2-135m  576     30             9      3   1536   49152   ``smollm2-135m-instruct``
+  -zero60     576     60             9      3   1536   49152   the 30 inserted zero layers
 ============  ======  =============  =====  ==  =====  ======  ============================
 
 The skip sets are the shipped profiles (``vllm_selfspec.layers.profiles.load_profile``;
@@ -27,7 +29,17 @@ position, argmax), eager and as a replayed CUDA graph:
 * ``full``: the full model, 1 token per sequence (plain decoding's step);
 * ``draft``: the draft path, the profile's attention / MLP sub-layers skipped, 1 token;
 * ``no_attn`` / ``no_mlp``: every attention / every MLP sub-layer skipped (for the linear model);
-* ``verify_k``: the full model over ``1 + k`` tokens per sequence (the verification of k drafts).
+* ``verify_k``: the full model over ``1 + k`` tokens per sequence (the verification of k drafts);
+* ``pass_k`` (models built at full depth): the draft pass as the device drafter runs it, ``k``
+  draft steps of one token per sequence, each step's top-1 token (and its probability) fed to the
+  next on the device, positions advancing; as a CUDA graph it is one captured graph per pass;
+* ``host_pass_s`` (eager only): the same pass as the host drafter runs it, each step's tokens
+  read to the host (a device sync per draft token) and sent back.
+
+``smollm2-135m-zero60`` is the free-draft model of the benchmarks (``--insert-zero-layers 30``):
+every odd layer is an inserted layer whose o_proj and down_proj are zero, and the draft skips
+exactly those, so its drafts are the full model's own tokens; the script checks that (logits bit
+for bit, and 8 chained greedy tokens, against the full model run twice as the control).
 
 Per-layer costs follow from the linear model ``step = base + n_attn*c_attn + n_mlp*c_mlp``
 (``c_attn = (full - no_attn)/L``, ``c_mlp = (full - no_mlp)/L``); the projected draft cost of a skip
@@ -75,6 +87,9 @@ class Shape:
     vocab: int
     profile: str | None  # shipped profile name; None: vllm_selfspec.config.default_skip_set
     build_layers: int | None = None  # build fewer layers than the real depth (then project)
+    # every odd layer is an inserted zero-output layer (its o_proj and down_proj are zero) and the
+    # draft skips exactly those: free drafts, the draft equals the model without them
+    zero_inserted: bool = False
 
 
 SHAPES: dict[str, Shape] = {
@@ -83,15 +98,23 @@ SHAPES: dict[str, Shape] = {
     "llama-2-70b": Shape("llama-2-70b", 8192, 80, 64, 8, 28672, 32000,
                          "llama-2-70b.draft-verify", build_layers=40),
     "llama-3-8b": Shape("llama-3-8b", 4096, 32, 32, 8, 14336, 128256, None),
+    "smollm2-135m": Shape("smollm2-135m", 576, 30, 9, 3, 1536, 49152,
+                          "smollm2-135m-instruct"),
+    "smollm2-135m-zero60": Shape("smollm2-135m-zero60", 576, 60, 9, 3, 1536, 49152, None,
+                                 zero_inserted=True),
 }
 TINY = Shape("tiny", 64, 4, 4, 2, 128, 256, None)
 
 DEFAULT_ACCEPTANCE = (0.7, 0.8, 0.9, 0.95)
 VERIFY_KS = (1, 2, 4, 8)
+PASS_KS = (1, 4, 8)  # draft tokens per row in one draft pass
 
 
 def skip_sets(shape: Shape) -> tuple[list[int], list[int], str]:
     """(skip_attention, skip_mlp, where they come from) for the real depth of ``shape``."""
+    if shape.zero_inserted:
+        odd = list(range(1, shape.layers, 2))
+        return odd, odd, "the inserted zero-output layers"
     if shape.profile:
         from vllm_selfspec.layers.profiles import load_profile
 
@@ -136,13 +159,16 @@ class RandomLlama:
         self.lm_head = w(shape.vocab, h)
         self.norm = torch.ones(h, device=device, dtype=dtype)
         self.layers = []
-        for _ in range(n_layers):
+        for i in range(n_layers):
             self.layers.append({
                 "ln1": torch.ones(h, device=device, dtype=dtype),
                 "ln2": torch.ones(h, device=device, dtype=dtype),
                 "wqkv": w(h + 2 * kvd, h), "wo": w(h, h),
                 "wgu": w(2 * shape.intermediate, h), "wd": w(h, shape.intermediate),
             })
+            if shape.zero_inserted and i % 2 == 1:  # an inserted layer: adds exactly zero
+                self.layers[-1]["wo"].zero_()
+                self.layers[-1]["wd"].zero_()
         total = context + max_new
         kv_shape = (max_batch, shape.kv_heads, total, self.head_dim)
         self.cache = [(w(*kv_shape), w(*kv_shape)) for _ in range(n_layers)]
@@ -202,10 +228,11 @@ class RandomLlama:
         gate, up = F.linear(x, self.layers[i]["wgu"]).chunk(2, dim=-1)
         return F.linear(F.silu(gate) * up, self.layers[i]["wd"])
 
-    def step(self, ids: torch.Tensor, skip_attn: frozenset[int] = frozenset(),
-             skip_mlp: frozenset[int] = frozenset()) -> torch.Tensor:
-        """``ids`` [B, s] -> argmax token ids [B, s]; writes K/V at positions context..+s."""
-        pos0 = self.context
+    def logits(self, ids: torch.Tensor, skip_attn: frozenset[int] = frozenset(),
+               skip_mlp: frozenset[int] = frozenset(), pos0: int | None = None) -> torch.Tensor:
+        """``ids`` [B, s] -> logits [B, s, vocab]; writes K/V at positions pos0..pos0+s
+        (default: ``context``)."""
+        pos0 = self.context if pos0 is None else pos0
         x = self.embed[ids]
         for i in range(self.n_layers):
             lay = self.layers[i]
@@ -213,8 +240,38 @@ class RandomLlama:
                 x = x + self._attn(i, self._rms(x, lay["ln1"]), pos0)
             if i not in skip_mlp:
                 x = x + self._mlp(i, self._rms(x, lay["ln2"]))
-        logits = F.linear(self._rms(x, self.norm), self.lm_head)
-        return logits.argmax(-1)
+        return F.linear(self._rms(x, self.norm), self.lm_head)
+
+    def step(self, ids: torch.Tensor, skip_attn: frozenset[int] = frozenset(),
+             skip_mlp: frozenset[int] = frozenset()) -> torch.Tensor:
+        """``ids`` [B, s] -> argmax token ids [B, s]; writes K/V at positions context..+s."""
+        return self.logits(ids, skip_attn, skip_mlp).argmax(-1)
+
+    def draft_pass(self, first: torch.Tensor, k: int, skip_attn: frozenset[int],
+                   skip_mlp: frozenset[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The device drafter's pass: ``k`` layer-skip steps of one token per row, each step's
+        top-1 token the next step's input, positions advancing; nothing leaves the device.
+        ``first`` [B, 1] -> (drafts [B, k], their top-1 probabilities [B, k])."""
+        tokens, probs, tok = [], [], first
+        for j in range(k):
+            logits = self.logits(tok, skip_attn, skip_mlp, self.context + j)
+            p, tok = logits.float().softmax(-1).max(-1)
+            tokens.append(tok)
+            probs.append(p)
+        return torch.cat(tokens, 1), torch.cat(probs, 1)
+
+    def host_pass(self, first: torch.Tensor, k: int, skip_attn: frozenset[int],
+                  skip_mlp: frozenset[int]) -> list[list[int]]:
+        """The host drafter's pass (the ``custom_class`` path): the same ``k`` steps, eager,
+        each step's tokens read to the host (a device sync per draft token) and sent back as the
+        next step's input."""
+        out: list[list[int]] = []
+        tok = first
+        for j in range(k):
+            ids = self.logits(tok, skip_attn, skip_mlp, self.context + j).argmax(-1).tolist()
+            out.append([row[0] for row in ids])
+            tok = torch.tensor(ids, device=first.device)
+        return out
 
 
 def _sdpa_supports_gqa() -> bool:
@@ -341,6 +398,8 @@ def measure_shape(shape: Shape, batches: list[int], context: int, iters: int,
         }
         if full_depth:
             configs["draft"] = lambda one=one: model.step(one, sa, sm)
+            for k in PASS_KS:
+                configs[f"pass_{k}"] = lambda one=one, k=k: model.draft_pass(one, k, sa, sm)
         for k in VERIFY_KS:
             ids = torch.randint(0, shape.vocab, (b, k + 1), device=device)
             configs[f"verify_{k}"] = lambda ids=ids: model.step(ids)
@@ -355,18 +414,54 @@ def measure_shape(shape: Shape, batches: list[int], context: int, iters: int,
                                    else time_graph(fn, device, iters))
                 row[mode] = _derive(costs, built, shape.layers, len(skip_attn), len(skip_mlp),
                                     acceptance)
+            if full_depth:
+                row["host_pass_s"] = {
+                    k: time_fn(lambda one=one, k=k: model.host_pass(one, k, sa, sm), device, iters)
+                    for k in PASS_KS}
+            if shape.zero_inserted:
+                row["free_draft_exactness"] = _free_draft_exactness(model, one, sa, sm)
         rows.append(row)
         e = row["eager"]
         g = row.get("graph")
         log(f"{shape.name} B={b}: full {1e3 * e['full_s']:.2f} ms eager"
             + (f" / {1e3 * g['full_s']:.2f} ms graph" if g else "")
             + f"; draft/full {e['draft_s'] / e['full_s']:.2f} eager"
-            + (f" / {g['draft_s'] / g['full_s']:.2f} graph" if g else ""))
+            + (f" / {g['draft_s'] / g['full_s']:.2f} graph" if g else "")
+            + (f"; draft pass per token / full {g['pass_per_token'][4] / g['full_s']:.2f} graph"
+               if g and "pass_per_token" in g else "")
+            + (f"; free-draft exactness: {row['free_draft_exactness']}"
+               if "free_draft_exactness" in row else ""))
     model.free()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return {"shape": asdict(shape), "built_layers": built, "skip_attention": skip_attn,
             "skip_mlp": skip_mlp, "skip_source": source, "rows": rows}
+
+
+def _free_draft_exactness(model: RandomLlama, first: torch.Tensor, sa: frozenset[int],
+                          sm: frozenset[int]) -> dict[str, Any]:
+    """Free drafts are exact: each skipped (inserted, zero-output) layer adds exactly zero, so
+    the draft's logits should equal the full model's bit for bit, and its 8 chained greedy
+    tokens the full model's. The full model run twice is the control: random weights give
+    near-uniform logits, where any rounding difference (a kernel choosing another reduction
+    order) flips an argmax."""
+    k = max(PASS_KS)
+    none: frozenset[int] = frozenset()
+    with torch.inference_mode():
+        full = model.logits(first, none, none)
+        again = model.logits(first, none, none)
+        draft = model.logits(first, sa, sm)
+        full_tokens, _ = model.draft_pass(first, k, none, none)
+        again_tokens, _ = model.draft_pass(first, k, none, none)
+        draft_tokens, _ = model.draft_pass(first, k, sa, sm)
+    return {
+        "logits_equal": bool(torch.equal(draft, full)),
+        "logits_max_abs_diff": float((draft.float() - full.float()).abs().max()),
+        "control_logits_equal": bool(torch.equal(again, full)),
+        "control_logits_max_abs_diff": float((again.float() - full.float()).abs().max()),
+        "tokens_equal": bool(torch.equal(draft_tokens, full_tokens)),
+        "control_tokens_equal": bool(torch.equal(again_tokens, full_tokens)),
+    }
 
 
 def _derive(costs: dict[str, float], built: int, layers: int, n_sa: int, n_sm: int,
@@ -384,7 +479,20 @@ def _derive(costs: dict[str, float], built: int, layers: int, n_sa: int, n_sm: i
     for a in acceptance:
         s, k = project(full, draft, verify, a)
         out["speedup"][str(a)] = {"speedup": s, "k": k}
+    if "pass_1" in costs:  # the draft pass as the device drafter runs it
+        passes = {k: costs[f"pass_{k}"] for k in PASS_KS}
+        out["pass_s"] = passes
+        out["pass_per_token"] = {k: passes[k] / k for k in PASS_KS}
+        out["speedup_pass"] = {str(a): project_pass(full, passes, verify, a) for a in acceptance}
     return out
+
+
+def project_pass(c_full: float, passes: dict[int, float], verify: dict[int, float],
+                 a: float) -> dict[str, float]:
+    """Best ``E(a,k) * c_full / (c_pass_k + c_verify_k)`` over the measured pass lengths."""
+    best = max((expected_tokens(a, k) * c_full / (passes[k] + interp_verify(verify, k)), k)
+                for k in passes)
+    return {"speedup": best[0], "k": best[1]}
 
 
 def _cross_ratios(rows: list[dict[str, Any]], acceptance: list[float]) -> None:
@@ -397,6 +505,10 @@ def _cross_ratios(rows: list[dict[str, Any]], acceptance: list[float]) -> None:
         for a in acceptance:
             s, k = project(g["full_s"], e["draft_s"], g["verify_s"], a)
             mixed["speedup"][str(a)] = {"speedup": s, "k": k}
+        if "host_pass_s" in row:  # the host drafter: eager pass, a sync per draft token
+            mixed["speedup_host_pass"] = {
+                str(a): project_pass(g["full_s"], row["host_pass_s"], g["verify_s"], a)
+                for a in acceptance}
         row["eager_draft_graph_verify"] = mixed
 
 
@@ -435,7 +547,51 @@ def markdown(result: dict[str, Any]) -> str:
                           for a in acc]
                 lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
+        lines += _pass_table(m, acc)
     return "\n".join(lines)
+
+
+def _pass_table(m: dict[str, Any], acc: list[float]) -> list[str]:
+    """The draft pass of ``k`` = 4 tokens per row: the device drafter's (one CUDA graph, nothing
+    leaves the device) and the host drafter's (eager, a device sync per draft token)."""
+    rows = [r for r in m["rows"] if "pass_s" in r["eager"]]
+    if not rows:
+        return []
+    mode = "graph" if all("graph" in r for r in rows) else "eager"
+    head = ["B", "full ms", "verify(4) ms", "device pass(4) ms", "per token / full",
+            "host pass(4) ms", "per token / full"]
+    head += [f"x @ a={a} device" for a in acc] + [f"x @ a={a} host" for a in acc]
+    captured = ("one captured CUDA graph" if mode == "graph"
+                else "eager (no CUDA graphs on this device)")
+    lines = [f"Draft pass of 4 tokens per row, {m['shape']['name']}: device drafter = "
+             f"{captured}, tokens fed back on the device; host drafter = eager, one "
+             f"device-to-host read per draft token; verification and the full step {mode}. "
+             "x = best over k in 1, 4, 8 of E(a,k) full / (pass_k + verify_k).", "",
+             "| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    for row in rows:
+        g = row[mode]
+        full, host = g["full_s"], row["host_pass_s"][4]
+        cells = [str(row["batch"]), f"{1e3 * full:.2f}", f"{1e3 * g['verify_s'][4]:.2f}",
+                 f"{1e3 * g['pass_s'][4]:.2f}", f"{g['pass_per_token'][4] / full:.2f}",
+                 f"{1e3 * host:.2f}", f"{host / 4 / full:.2f}"]
+        mixed = {str(a): project_pass(full, row["host_pass_s"], g["verify_s"], a) for a in acc}
+        cells += [f"{g['speedup_pass'][str(a)]['speedup']:.2f} (k={g['speedup_pass'][str(a)]['k']})"
+                  for a in acc]
+        cells += [f"{mixed[str(a)]['speedup']:.2f} (k={mixed[str(a)]['k']})" for a in acc]
+        lines.append("| " + " | ".join(cells) + " |")
+    exact = [(r["batch"], r["free_draft_exactness"]) for r in m["rows"]
+             if "free_draft_exactness" in r]
+    if exact:
+        lines += ["", "Free drafts against the full model (the full model run twice is the "
+                      "control; tokens: 8 chained greedy steps):", "",
+                  "| B | logits equal | max abs diff | control equal | control max abs diff "
+                  "| tokens equal | control tokens equal |", "|---|---|---|---|---|---|---|"]
+        for b, e in exact:
+            lines.append(f"| {b} | {e['logits_equal']} | {e['logits_max_abs_diff']:.3g} | "
+                         f"{e['control_logits_equal']} | "
+                         f"{e['control_logits_max_abs_diff']:.3g} | {e['tokens_equal']} | "
+                         f"{e['control_tokens_equal']} |")
+    return lines + [""]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -483,9 +639,16 @@ def main(argv: list[str] | None = None) -> int:
             result["skipped"].append(shape.name)
             print(f"time limit: skipping {shape.name}", flush=True)
             continue
-        m = measure_shape(shape, batches, args.context, args.iters, device, dtype,
-                          not args.no_graphs, acceptance,
-                          log=lambda s: print(s, flush=True))
+        try:
+            m = measure_shape(shape, batches, args.context, args.iters, device, dtype,
+                              not args.no_graphs, acceptance,
+                              log=lambda s: print(s, flush=True))
+        except torch.OutOfMemoryError as exc:  # the next (smaller) model may still fit
+            result["skipped"].append(shape.name)
+            print(f"{shape.name}: out of device memory, skipped ({exc})", flush=True)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            continue
         _cross_ratios(m["rows"], acceptance)
         result["models"].append(m)
         _write(result, out_dir, started)

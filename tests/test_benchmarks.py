@@ -245,6 +245,11 @@ def test_gpu_script_dry_run_tiny(tmp_path):
     assert set(eager["verify_s"]) == {"1", "2", "4", "8"}  # JSON keys
     assert set(eager["speedup"]) == {"0.7", "0.8", "0.9", "0.95"}
     assert "| everything eager | 1 |" in (tmp_path / "gpu_step_cost.md").read_text()
+    # the draft pass: one per pass length, and the host drafter's (a host read per draft token)
+    assert set(eager["pass_s"]) == set(eager["pass_per_token"]) == {"1", "4", "8"}
+    assert set(model["rows"][0]["host_pass_s"]) == {"1", "4", "8"}
+    assert set(eager["speedup_pass"]) == set(eager["speedup"])
+    assert "Draft pass of 4 tokens per row, tiny" in (tmp_path / "gpu_step_cost.md").read_text()
 
 
 def test_gpu_script_model_is_a_decoder():
@@ -610,3 +615,48 @@ def test_rerender_recomputes_the_summary(tmp_path):
     assert "| selfspec |" in (tmp_path / "smoke-qwen2.5-coder-0.5b.md").read_text()
     assert (tmp_path / "smoke-qwen2.5-coder-0.5b_ratio.png").stat().st_size > 0
     assert not list(tmp_path.glob("smoke-qwen2.5-coder-0.md"))
+
+
+def test_gpu_script_draft_pass_is_the_chained_draft():
+    """The device pass feeds each step's top-1 token to the next step; the host pass is the same
+    chain read back token by token."""
+    import torch
+
+    model = gpu_step_cost.RandomLlama(gpu_step_cost.TINY, 4, 2, 8, torch.device("cpu"),
+                                      torch.float32)
+    first = torch.randint(0, gpu_step_cost.TINY.vocab, (2, 1))
+    skip = frozenset({1})
+    with torch.inference_mode():
+        drafts, probs = model.draft_pass(first, 3, skip, frozenset())
+        host = model.host_pass(first, 3, skip, frozenset())
+        tok, chained = first, []
+        for j in range(3):
+            tok = model.logits(tok, skip, frozenset(), model.context + j).argmax(-1)
+            chained.append(tok)
+    assert torch.equal(drafts, torch.cat(chained, 1))
+    assert drafts.tolist() == [list(col) for col in zip(*host, strict=True)]
+    assert ((probs > 0) & (probs <= 1)).all()
+
+
+@pytest.mark.parametrize("zeroed", [True, False])
+def test_gpu_script_free_drafts_are_exact(zeroed):
+    """With the inserted layers zeroed the draft's logits equal the full model's bit for bit;
+    the negative control (the same skip set over layers that are not zero) must differ."""
+    import dataclasses
+
+    import torch
+
+    shape = dataclasses.replace(gpu_step_cost.TINY, layers=6, zero_inserted=True)
+    attention, mlp, _ = gpu_step_cost.skip_sets(shape)
+    assert attention == mlp == [1, 3, 5]
+    model = gpu_step_cost.RandomLlama(shape, 6, 2, 8, torch.device("cpu"), torch.float32)
+    if not zeroed:
+        for i in (1, 3, 5):
+            model.layers[i]["wo"].normal_(0.0, 0.02)
+            model.layers[i]["wd"].normal_(0.0, 0.02)
+    first = torch.randint(0, shape.vocab, (2, 1))
+    exact = gpu_step_cost._free_draft_exactness(model, first, frozenset(attention),
+                                                frozenset(mlp))
+    assert exact["control_logits_equal"] and exact["control_tokens_equal"]
+    assert exact["logits_equal"] is zeroed
+    assert (exact["logits_max_abs_diff"] == 0) is zeroed
