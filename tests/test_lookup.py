@@ -14,14 +14,16 @@ from vllm_selfspec.control.source_choice import (
     LookupAcceptance,
     StepDrafts,
     lookup_length,
-    lookups_that_pay_the_step,
+    lookup_lengths_for_the_step,
 )
 from vllm_selfspec.control.step_costs import quantise_x
 
 
-def _length(**kw) -> int:
-    args = dict(lookup_acceptance=0.6, lookup_len=4, skip_acceptance=0.6, skip_budget=4,
-                verify_cost=lambda k: 1.0 + 0.05 * k, draft_cost=0.4, min_gain=0.05)
+def _length(lookup_acceptance: float = 0.6, **kw) -> int:
+    """:func:`lookup_length` with the lookup's expected tokens of a per-token acceptance."""
+    args = dict(lookup_expected=lambda j: expected_tokens(lookup_acceptance, j), lookup_len=4,
+                skip_acceptance=0.6, skip_budget=4, verify_cost=lambda k: 1.0 + 0.05 * k,
+                draft_cost=0.4, min_gain=0.05)
     return lookup_length(**{**args, **kw})
 
 
@@ -69,45 +71,73 @@ def _step_verify(fixed: float, per_token: float):
     return lambda x: 1.0 if x == 0 else 1.0 + fixed + per_token * x
 
 
+GOOD = [0.7, 0.5, 0.3]  # a lookup of 3 drafts, E = 2.5
+POOR = [0.01, 0.005, 0.003, 0.002]  # 4 drafts that rarely land, E = 1.02
+
+
+def _step(lookups, batch_size=32, others=None, verify_cost=None, draft_cost=0.5,
+          min_gain=0.05):
+    verify_cost = verify_cost or _step_verify(fixed=0.08, per_token=0.05)
+    others = others or StepDrafts()
+    return lookup_lengths_for_the_step(batch_size=batch_size, lookups=lookups, others=others,
+                                       verify_cost=verify_cost, draft_cost=draft_cost,
+                                       min_gain=min_gain)
+
+
 def test_a_lone_lookup_does_not_pay_the_step_where_leaving_the_plain_path_is_dear():
     # batch 32, one request with a good lookup (E = 2.5 of 3 drafts): +1.5 tokens on 32 is +4.7%,
     # while any drafting costs 8% of the step (the sampled rejection sampler over the batch)
-    dear = _step_verify(fixed=0.08, per_token=0.05)
-    lone = [(2.5, 3)]
-    assert lookups_that_pay_the_step(batch_size=32, lookups=lone, others=StepDrafts(),
-                                     verify_cost=dear, draft_cost=0.5) == 0
+    assert _step([GOOD]) == [0]
     # where leaving the plain path is cheap (greedy), the same lookup pays
-    cheap = _step_verify(fixed=0.005, per_token=0.05)
-    assert lookups_that_pay_the_step(batch_size=32, lookups=lone, others=StepDrafts(),
-                                     verify_cost=cheap, draft_cost=0.5) == 1
+    assert _step([GOOD], verify_cost=_step_verify(fixed=0.005, per_token=0.05)) == [3]
     # at batch 1 the lookup is the whole step: it pays
-    assert lookups_that_pay_the_step(batch_size=1, lookups=lone, others=StepDrafts(),
-                                     verify_cost=dear, draft_cost=0.5) == 1
+    assert _step([GOOD], batch_size=1) == [3]
 
 
 def test_many_lookups_pay_the_step_together_and_the_poor_tail_is_cut():
     dear = _step_verify(fixed=0.08, per_token=0.05)
-    # eight good lookups (E = 2.5 of 3 each) then two that rarely land (E = 1.02 of 4)
-    good, poor = [(2.5, 3)] * 8, [(1.02, 4)] * 2
-    assert lookups_that_pay_the_step(batch_size=32, lookups=good + poor, others=StepDrafts(),
-                                     verify_cost=dear, draft_cost=0.5) == 8
-    # the rule is the batch's tokens per unit of time, prefix by prefix
-    def rate(n: int) -> float:
-        return (32 + 1.5 * min(n, 8) + 0.02 * max(n - 8, 0)) / dear(
-            quantise_x(3 * min(n, 8) + 4 * max(n - 8, 0), 32))
+    # eight good lookups then two that rarely land: the poor ones are verified only as far as
+    # the cost table prices them at nothing (it is keyed by draft tokens per request rounded
+    # to quarters: 24 and 26 draft tokens on 32 requests are both 0.75)
+    lengths = _step([GOOD] * 8 + [POOR] * 2)
+    assert lengths[:8] == [3] * 8
+    assert quantise_x(sum(lengths), 32) == quantise_x(24, 32)
+    assert _step([GOOD] * 8 + [[0.01] * 4] * 4)[8:] == [3, 0, 0, 0]  # 27 tokens: still 0.75
 
-    assert rate(8) > max(rate(0), rate(9), rate(10))
+    # the rule is the batch's tokens per unit of time, token by token, best first
+    def rate(lengths: list[int]) -> float:
+        gain = sum(sum(GOOD[:n]) for n in lengths)
+        return (32 + gain) / dear(quantise_x(sum(lengths), 32))
+
+    assert rate([3] * 8) > max(rate([0] * 8), rate([2] * 8), rate([3] * 7 + [2]))
+
+
+def test_a_lookup_is_cut_to_the_tokens_that_pay():
+    # the tail of a long lookup lands too rarely to pay for its verification at batch 1
+    tail = [0.9, 0.8, 0.02, 0.01]
+    assert _step([tail], batch_size=1, verify_cost=_step_verify(fixed=0.05, per_token=0.1)) == [2]
+    # a run that keeps landing is verified whole
+    run = [0.9, 0.85, 0.8, 0.75]
+    assert _step([run], batch_size=1, verify_cost=_step_verify(fixed=0.05, per_token=0.1)) == [4]
+
+
+def test_lookups_must_beat_the_step_by_the_min_gain_of_their_share():
+    # batch 1: +4% over plain decoding is below the 5% asked
+    lookup = [0.16]
+    verify = _step_verify(fixed=0.0, per_token=0.1)  # 1.16 tokens / 1.1 steps = +5.5%
+    assert _step([lookup], batch_size=1, verify_cost=verify) == [1]
+    assert _step([lookup], batch_size=1, verify_cost=verify, min_gain=0.06) == [0]
+    # batch 32: the same lookup is asked 5% of its share of the batch (1/32)
+    cheap = _step_verify(fixed=0.0, per_token=0.01)
+    assert _step([GOOD], verify_cost=cheap) == [3]
 
 
 def test_a_step_that_verifies_drafts_anyway_takes_a_lone_lookup():
     # a layer-skip pass runs this step (its drafts already left the plain path): the lookup's
     # only cost is its own verification
-    dear = _step_verify(fixed=0.08, per_token=0.05)
     drafting = StepDrafts(tokens=16.0, drafts=64, pass_len=4)
-    assert lookups_that_pay_the_step(batch_size=32, lookups=[(2.5, 3)], others=drafting,
-                                     verify_cost=dear, draft_cost=0.05) == 1
-    assert lookups_that_pay_the_step(batch_size=32, lookups=[], others=drafting,
-                                     verify_cost=dear, draft_cost=0.05) == 0
+    assert _step([GOOD], others=drafting, draft_cost=0.05) == [3]
+    assert _step([], others=drafting, draft_cost=0.05) == []
 
 
 def test_acceptance_per_request_from_the_engine_prior():
@@ -124,6 +154,40 @@ def test_acceptance_per_request_from_the_engine_prior():
     acc.observe("c", drafted=0, accepted=0)  # nothing verified: no-op
     acc.retain(["b"])
     assert acc.acceptance("a") == acc.engine_acceptance()
+
+
+def test_lookup_acceptance_is_kept_by_position():
+    """Lookups land as runs: a first token that lands is followed by the rest. The model keeps
+    the first token's acceptance per request and the ones after it for the engine, given the
+    ones before, and prices a lookup by the probability that each prefix lands."""
+    acc = LookupAcceptance(prior=0.5, prior_weight=2.0, continuation_prior=0.7)
+    assert acc.landing("a", 3) == pytest.approx([0.5, 0.35, 0.245])
+    assert acc.expected("a", 3) == pytest.approx(1 + 0.5 + 0.35 + 0.245)
+    with pytest.raises(ValueError):
+        acc.continuation(1)
+    # half the lookups miss at once, the other half land whole (ngram on code at T = 0.7)
+    for _ in range(200):
+        acc.observe("a", drafted=4, accepted=0)
+        acc.observe("a", drafted=4, accepted=4)
+    assert acc.acceptance("a") == pytest.approx(0.5, abs=0.05)
+    for position in (2, 3, 4):
+        assert acc.continuation(position) > 0.95
+    # by position, the expected tokens are the true ones: 1 + 0.5 * j
+    assert acc.expected("a", 1) == pytest.approx(1.5, abs=0.05)
+    assert acc.expected("a", 4) == pytest.approx(3.0, abs=0.15)
+    # a per-token (geometric) acceptance fitted to the same drafts (4 accepted of 5 tried per
+    # pair) is 0.8: it prices the first token at 0.8 where half land, so a one-token lookup at
+    # 1.8 tokens, and the four-token one at 3.36
+    assert expected_tokens(0.8, 1) - acc.expected("a", 1) > 0.25
+    # a rejection at position 3 counts position 3 as tried, position 4 not at all
+    fresh = LookupAcceptance(prior_weight=1.0, continuation_prior=0.5, engine_decay=1.0)
+    fresh.observe("b", drafted=4, accepted=2)
+    assert fresh.continuation(2) == pytest.approx((0.5 + 1) / 2)
+    assert fresh.continuation(3) == pytest.approx((0.5 + 0) / 2)
+    assert fresh.continuation(4) == 0.5  # the prior: never tried
+    # the landing probabilities never grow with the position
+    probs = acc.landing("a", 6)
+    assert all(x >= y for x, y in zip(probs, probs[1:], strict=False))
 
 
 _MATCHER_CHECKS = """

@@ -307,9 +307,10 @@ def best_speedup(
     (plain decoding, rate 1.0) competes and wins unless drafting beats it. Ties go to the smaller
     ``k`` (a rate must beat the best so far by a relative 1e-12).
 
-    The online search (verification free), the offline search (its linear cost model), prompt
-    lookup's length (``draft_cost`` 0) and the benchmark analysis call this; the controller's
-    batch plan extends it to a batch sharing one verification step."""
+    The online search (verification free), the offline search (its linear cost model) and the
+    benchmark analysis call this; the controller's batch plan extends it to a batch sharing one
+    verification step. (Prompt-lookup drafts land as runs, not token by token: their lengths
+    follow :class:`vllm_selfspec.control.source_choice.LookupAcceptance` instead.)"""
     best, best_k = (1.0, 0) if allow_zero else (0.0, 0)
     for k in range(1, int(k_max) + 1):
         v = 1.0 if verify_cost is None else verify_cost(k)

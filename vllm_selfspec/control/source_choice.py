@@ -2,33 +2,33 @@
 
 A prompt-lookup draft (vLLM's ``ngram`` method: the tokens that followed the newest earlier
 occurrence of the request's last n-gram) costs no forward at all, only its verification; a
-layer-skip draft costs draft forwards too. With ``"drafts": "hybrid"`` the device drafter asks,
-per request and step, whether the lookup draft it found pays better than the layer-skip budget
-the draft-length controller planned, in expected tokens per unit of time (plain decoding steps):
+layer-skip draft costs draft forwards too. With ``"drafts": "hybrid"`` the device drafter decides,
+per step, which requests draft by lookup and how many of their lookup tokens are verified, in
+expected tokens per unit of time (plain decoding steps of the batch, the controller's measured
+costs):
 
-    lookup:      max over j <= n of E(a_lookup, j) / v(j)   (the first j of the n found)
-    layer skip:  E(a_skip, k) / (v(k) + k * r)      (1.0, plain decoding, when k == 0)
+* A request with a layer-skip budget ``k`` from the draft-length controller (it drafts either
+  way) takes its lookup draft in place of the budget when that pays at least as well,
+  ``max over j <= n of E_lookup(j) / v(j) >= E(a_skip, k) / (v(k) + k * r)``, and beats plain
+  decoding by :data:`LOOKUP_MIN_GAIN` (:func:`lookup_length`). ``v(k)`` is a step verifying
+  ``k`` drafts per request, ``r`` one draft forward.
+* The lookups of requests that would not draft otherwise are weighed for the step as a whole
+  (:func:`lookup_lengths_for_the_step`): a step in which *any* request verifies drafts leaves
+  vLLM's plain path for the whole batch (its rejection sampler runs over the batch: at
+  temperature > 0 on a CPU, about as costly as a few requests' drafts), so a lone lookup among
+  32 requests pays that whole fixed cost. Their draft tokens are taken best first while the
+  batch's expected tokens per unit of step time grow, priced at the measured cost of a step
+  verifying that many draft tokens per request (the cost table is keyed by exactly that), and
+  kept when the step beats the same step without them by :data:`LOOKUP_MIN_GAIN` (5%: a lookup's
+  cost is a verification alone, whose estimate spreads less than a draft forward's; the
+  controller asks 10% of layer-skip drafts) of the share of the batch they draft for.
 
-``E(a, k)`` is :func:`vllm_selfspec.control.controller.expected_tokens`, ``v(k)`` a step verifying
-``k`` drafts per request and ``r`` one draft forward, both in plain steps of the batch (the
-controller's measured costs). A lookup draft is taken when it pays at least as well as the
-layer-skip plan and beats plain decoding by :data:`LOOKUP_MIN_GAIN` (5%: its cost is a
-verification alone, whose estimate spreads less than a draft forward's; the controller asks 10%
-of layer-skip drafts). A step in which every
-drafting request takes its lookup draft runs no draft forward.
+A step in which every drafting request takes its lookup draft runs no draft forward.
 
-The rule above prices each request alone, as if every request of the batch verified as many
-drafts; a step in which *any* request verifies drafts also leaves vLLM's plain path as a whole
-(its rejection sampler runs over the batch: at temperature > 0 on a CPU, about as costly as a few
-requests' drafts). :func:`lookups_that_pay_the_step` then keeps the lookups only while the step
-as a whole gains: expected tokens of the batch over the measured cost of a step verifying that
-many draft tokens per request (the cost table is keyed by exactly that), against the same step
-without them.
-
-Acceptance is measured per request and per source: :class:`LookupAcceptance` keeps the lookup
-drafts' per-token acceptance as the controller keeps the layer-skip drafts' (discounted counts,
-positions up to and including the first rejection count as tried), a new request starting from
-the engine-wide lookup acceptance.
+Acceptance is measured per request and per source. :class:`LookupAcceptance` keeps lookup
+acceptance by position (first token per request, the ones after it given the ones before for the
+engine): lookup drafts land as runs, which a per-token acceptance (the layer-skip drafts' model,
+:func:`vllm_selfspec.control.controller.expected_tokens`) would underprice.
 
 Pure Python: importable without vLLM or torch.
 """
@@ -38,7 +38,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from vllm_selfspec.control.controller import best_speedup, expected_tokens
+from vllm_selfspec.control.controller import expected_tokens
 from vllm_selfspec.control.step_costs import quantise_x
 
 DRAFT_SOURCES = ("layer_skip", "hybrid", "lookup")
@@ -55,40 +55,94 @@ class _Counts:
     accepted: float
     tried: float
 
+    def add(self, landed: bool, decay: float) -> None:
+        self.accepted = decay * self.accepted + (1.0 if landed else 0.0)
+        self.tried = decay * self.tried + 1.0
+
+    def rate(self) -> float:
+        return self.accepted / self.tried if self.tried > 0 else 0.0
+
 
 class LookupAcceptance:
-    """Per-request and engine-wide per-token acceptance of prompt-lookup drafts."""
+    """Acceptance of prompt-lookup drafts, by position.
+
+    A lookup draft is a run of repeated text: where its first token lands, the tokens after it
+    usually land too (SmolLM2 on HumanEval at T = 0.7, vLLM's ``ngram``, one run at batch 8: 68%
+    of first tokens landed, then 95%, 89% and 84% of the next ones given the ones before). A
+    per-token acceptance (the geometric model of layer-skip drafts) fitted to those drafts is
+    0.82: it overstates the first token (0.82 against 0.68) and understates the run after it,
+    so it favours short lookups. So:
+
+    * the first draft token's acceptance is kept per request (discounted counts, ``decay``; a new
+      request starts from the engine's, weighted ``prior_weight``);
+    * the acceptance of position ``i >= 2`` given that positions ``1 .. i-1`` landed is kept for
+      the engine (``engine_decay``), from ``continuation_prior``.
+
+    The probability that the first ``i`` tokens land is the first token's acceptance times the
+    continuations up to ``i``; the expected tokens of a step verifying ``j`` of them are one plus
+    the sum of those probabilities."""
 
     def __init__(self, prior: float = 0.5, prior_weight: float = 2.0, decay: float = 0.9,
-                 engine_decay: float = 0.99) -> None:
+                 engine_decay: float = 0.99, continuation_prior: float = 0.7) -> None:
         self.prior, self.prior_weight = prior, prior_weight
         self.decay, self.engine_decay = decay, engine_decay
+        self.continuation_prior = continuation_prior
         self._requests: dict[str, _Counts] = {}
         self._engine = _Counts(prior * prior_weight, prior_weight)
+        self._continuations: list[_Counts] = []  # positions 2, 3, ...
 
     def engine_acceptance(self) -> float:
-        return self._engine.accepted / self._engine.tried
+        """The first draft token's acceptance over the engine's recent lookups."""
+        return self._engine.rate()
 
     def acceptance(self, req_id: str) -> float:
+        """The first draft token's acceptance for ``req_id``."""
         counts = self._requests.get(req_id)
-        if counts is None:
-            return self.engine_acceptance()
-        return counts.accepted / counts.tried if counts.tried > 0 else 0.0
+        return self.engine_acceptance() if counts is None else counts.rate()
+
+    def continuation(self, position: int) -> float:
+        """The acceptance of draft position ``position`` (2, 3, ...) given that the ones before
+        it landed."""
+        i = position - 2
+        if i < 0:
+            raise ValueError("continuations start at position 2")
+        if i < len(self._continuations):
+            return self._continuations[i].rate()
+        return self.continuation_prior
+
+    def landing(self, req_id: str, n: int) -> list[float]:
+        """For ``i = 1 .. n``: the probability that the first ``i`` lookup drafts of ``req_id``
+        land (non-increasing)."""
+        out: list[float] = []
+        p = self.acceptance(req_id)
+        for i in range(1, n + 1):
+            if i > 1:
+                p *= self.continuation(i)
+            out.append(p)
+        return out
+
+    def expected(self, req_id: str, n: int) -> float:
+        """Tokens a step yields for ``req_id`` verifying ``n`` lookup drafts (bonus included)."""
+        return 1.0 + sum(self.landing(req_id, n))
 
     def observe(self, req_id: str, drafted: int, accepted: int) -> None:
         """``accepted`` of ``drafted`` lookup drafts of ``req_id`` passed verification."""
         if drafted <= 0:
             return
         accepted = min(max(int(accepted), 0), int(drafted))
-        tried = accepted + (1 if accepted < drafted else 0)
         counts = self._requests.get(req_id)
         if counts is None:
             a = self.engine_acceptance()
             counts = self._requests[req_id] = _Counts(a * self.prior_weight, self.prior_weight)
-        counts.accepted = self.decay * counts.accepted + accepted
-        counts.tried = self.decay * counts.tried + tried
-        self._engine.accepted = self.engine_decay * self._engine.accepted + accepted
-        self._engine.tried = self.engine_decay * self._engine.tried + tried
+        counts.add(accepted >= 1, self.decay)
+        self._engine.add(accepted >= 1, self.engine_decay)
+        # position i was tried when the i - 1 before it landed
+        for position in range(2, min(int(drafted), accepted + 1) + 1):
+            i = position - 2
+            while len(self._continuations) <= i:
+                w = self.prior_weight
+                self._continuations.append(_Counts(self.continuation_prior * w, w))
+            self._continuations[i].add(accepted >= position, self.engine_decay)
 
     def retain(self, active_req_ids: Iterable[str]) -> None:
         keep = set(active_req_ids)
@@ -98,7 +152,7 @@ class LookupAcceptance:
 
 def lookup_length(
     *,
-    lookup_acceptance: float,
+    lookup_expected: Callable[[int], float],
     lookup_len: int,
     skip_acceptance: float,
     skip_budget: int,
@@ -106,16 +160,19 @@ def lookup_length(
     draft_cost: float,
     min_gain: float,
 ) -> int:
-    """How many of the ``lookup_len`` lookup drafts to verify: the length ``j`` that maximises
-    ``E(a_lookup, j) / v(j)`` (fewer drafts cost less verification where they rarely land), when
-    that pays at least as well as the layer-skip budget and beats plain decoding by
-    ``min_gain`` (see the module docstring); 0: draft by layer skipping (or not at all).
-    ``verify_cost(k)`` and ``draft_cost`` in plain steps."""
+    """How many of a request's ``lookup_len`` lookup drafts to verify in place of its layer-skip
+    budget: the length ``j`` that maximises ``lookup_expected(j) / v(j)`` (the expected tokens
+    of verifying the first ``j``, :meth:`LookupAcceptance.expected`), when that pays at least as
+    well as the layer-skip budget and beats plain decoding by ``min_gain`` (see the module
+    docstring); 0: draft by layer skipping (or not at all). ``verify_cost(k)`` and
+    ``draft_cost`` in plain steps."""
     if lookup_len <= 0:
         return 0
-    best_rate, best_len = best_speedup(
-        lookup_acceptance, lookup_len, draft_cost=0.0, verify_cost=verify_cost, allow_zero=False
-    )
+    best_rate, best_len = 0.0, 0
+    for j in range(1, int(lookup_len) + 1):
+        rate = lookup_expected(j) / verify_cost(j)
+        if rate > best_rate * (1.0 + 1e-12):  # ties go to the shorter draft
+            best_rate, best_len = rate, j
     if skip_budget > 0:
         rate_skip = expected_tokens(skip_acceptance, skip_budget) / (
             verify_cost(skip_budget) + skip_budget * draft_cost
@@ -136,20 +193,26 @@ class StepDrafts:
     pass_len: int = 0
 
 
-def lookups_that_pay_the_step(
+def lookup_lengths_for_the_step(
     *,
     batch_size: int,
-    lookups: list[tuple[float, int]],
+    lookups: list[list[float]],
     others: StepDrafts,
     verify_cost: Callable[[float], float],
     draft_cost: float,
-) -> int:
-    """How many of ``lookups`` (``(expected tokens E, drafts j)`` per request, best first) the
-    step keeps: the prefix that maximises the batch's expected tokens per unit of step time,
-    ``(B + others.tokens + sum(E - 1)) / (v(x) + pass_len * r)`` with ``x`` the draft tokens per
-    request of the whole step (:func:`~vllm_selfspec.control.step_costs.quantise_x`); 0 when
-    no prefix beats the step without lookups. ``verify_cost(x)`` and ``draft_cost`` in plain
-    steps of the batch."""
+    min_gain: float,
+) -> list[int]:
+    """How many draft tokens of each lookup the step verifies. ``lookups`` holds, per request
+    that would not draft otherwise, the probability that its first ``i`` lookup drafts land
+    (:meth:`LookupAcceptance.landing`, non-increasing in ``i``); each draft token adds that much
+    to the batch's expected tokens. Draft tokens are taken best first (a request's in order),
+    keeping the prefix that maximises the batch's expected tokens per unit of step time,
+    ``(B + others.tokens + sum of the probabilities taken) / (v(x) + pass_len * r)`` with ``x``
+    the draft tokens per request of the whole step
+    (:func:`~vllm_selfspec.control.step_costs.quantise_x`), among the prefixes that beat the
+    step without them by ``min_gain`` of the share of the batch they draft for (``m`` requests:
+    ``min_gain * m / B``; at batch 1, ``min_gain`` over plain decoding); else none.
+    ``verify_cost(x)`` and ``draft_cost`` in plain steps of the batch."""
     b = max(int(batch_size), 1)
     forwards = others.pass_len * draft_cost
 
@@ -157,12 +220,21 @@ def lookups_that_pay_the_step(
         # priced as the cost table measured it: per request, in quarters, any drafting >= 1/4
         return (b + gain) / (verify_cost(quantise_x(drafts, b)) + forwards)
 
-    best_rate, best_n = rate(others.tokens, others.drafts), 0
-    gain, drafts = others.tokens, others.drafts
-    for n, (expected, j) in enumerate(lookups, start=1):
-        gain += expected - 1.0
-        drafts += j
+    # best first; the sort is stable, so a request's tokens keep their order where they tie
+    tokens = sorted(
+        ((p, row) for row, probs in enumerate(lookups) for p in probs), key=lambda t: -t[0]
+    )
+    base = rate(others.tokens, others.drafts)
+    best_rate, best_n = base, 0
+    gain, drafts, rows = others.tokens, others.drafts, set()
+    for n, (p, row) in enumerate(tokens, start=1):
+        gain += p
+        drafts += 1
+        rows.add(row)
         r = rate(gain, drafts)
-        if r > best_rate:
+        if r > best_rate and r > base * (1.0 + min_gain * len(rows) / b):
             best_rate, best_n = r, n
-    return best_n
+    lengths = [0] * len(lookups)
+    for _, row in tokens[:best_n]:
+        lengths[row] += 1
+    return lengths

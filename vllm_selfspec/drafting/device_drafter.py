@@ -77,7 +77,7 @@ from vllm_selfspec.control.source_choice import (
     LookupAcceptance,
     StepDrafts,
     lookup_length,
-    lookups_that_pay_the_step,
+    lookup_lengths_for_the_step,
 )
 from vllm_selfspec.control.step_costs import StepCostRecorder
 from vllm_selfspec.drafting.cost_feed import CostFeed
@@ -485,19 +485,21 @@ class SelfSpecDeviceProposer(DraftModelProposer):
         self, req_ids: list[str], budgets: list[int], k_limit: int, found: dict[str, list[int]]
     ) -> dict[str, list[int]]:
         """The requests that draft by prompt lookup this step, with their drafts: every request
-        with a lookup draft for ``drafts`` lookup; for hybrid, those whose lookup draft pays at
-        least as well as their layer-skip budget, cut to the length that pays best
-        (:func:`vllm_selfspec.control.source_choice.lookup_length`). None on the controller's
-        plain-step measurements."""
+        with a lookup draft for ``drafts`` lookup; for hybrid, a request with a layer-skip
+        budget takes its lookup draft when it pays at least as well, cut to the length that
+        pays best (:func:`vllm_selfspec.control.source_choice.lookup_length`), and the others'
+        lookups are weighed for the step as a whole (:meth:`_lookups_paying_the_step`). None on
+        the controller's plain-step measurements."""
         if not found or self.controller.explored_last_plan:
             return {}
-        assert self.lookup_acceptance is not None
+        lookup_acceptance = self.lookup_acceptance
+        assert lookup_acceptance is not None
         batch = len(req_ids)
         hybrid = self.settings.drafts == "hybrid"
         draft_cost = self.controller.cost_ratio(batch) if hybrid else 0.0
         verify = (
             [self.controller.verify_cost_ratio(batch, k) for k in range(self.k_max + 1)]
-            if hybrid
+            if hybrid and any(b > 0 for b in budgets)
             else []
         )
         chosen = {}
@@ -507,9 +509,9 @@ class SelfSpecDeviceProposer(DraftModelProposer):
             if not tokens or cap <= 0:
                 continue
             tokens = tokens[:cap]
-            if hybrid:
+            if hybrid and budget > 0:
                 tokens = tokens[: lookup_length(
-                    lookup_acceptance=self.lookup_acceptance.acceptance(req_id),
+                    lookup_expected=lambda j, r=req_id: lookup_acceptance.expected(r, j),
                     lookup_len=len(tokens),
                     skip_acceptance=self.controller.request_acceptance(req_id),
                     skip_budget=budget,
@@ -530,20 +532,20 @@ class SelfSpecDeviceProposer(DraftModelProposer):
         chosen: dict[str, list[int]],
         draft_cost: float,
     ) -> dict[str, list[int]]:
-        """The chosen lookups that pay for the step as a whole
-        (:func:`vllm_selfspec.control.source_choice.lookups_that_pay_the_step`). A lookup taken
-        in place of a layer-skip budget stays (that request drafts either way); the lookups of
-        requests that would otherwise not draft are weighed, best gain per draft token first."""
+        """The chosen lookups cut to what pays for the step as a whole
+        (:func:`vllm_selfspec.control.source_choice.lookup_lengths_for_the_step`). A lookup
+        taken in place of a layer-skip budget stays (that request drafts either way); the
+        lookups of requests that would otherwise not draft are weighed token by token."""
         assert self.lookup_acceptance is not None
         others = StepDrafts()
-        weighed: list[tuple[float, str]] = []
+        weighed: list[str] = []
         for req_id, budget in zip(req_ids, budgets, strict=True):
             tokens = chosen.get(req_id)
             if tokens is not None:
-                expected = expected_tokens(self.lookup_acceptance.acceptance(req_id), len(tokens))
                 if budget <= 0:
-                    weighed.append((expected, req_id))
+                    weighed.append(req_id)
                     continue
+                expected = self.lookup_acceptance.expected(req_id, len(tokens))
                 drafts, pass_len = len(tokens), 0
             elif budget > 0:
                 expected = expected_tokens(self.controller.request_acceptance(req_id), budget)
@@ -554,18 +556,23 @@ class SelfSpecDeviceProposer(DraftModelProposer):
                                 max(others.pass_len, pass_len))
         if not weighed:
             return chosen
-        weighed.sort(key=lambda e: (e[0] - 1.0) / len(chosen[e[1]]), reverse=True)
         batch = len(req_ids)
-        keep = lookups_that_pay_the_step(
+        lengths = lookup_lengths_for_the_step(
             batch_size=batch,
-            lookups=[(expected, len(chosen[req_id])) for expected, req_id in weighed],
+            lookups=[self.lookup_acceptance.landing(r, len(chosen[r])) for r in weighed],
             others=others,
             verify_cost=lambda x: self.controller.verify_cost_ratio(batch, x),
             draft_cost=draft_cost,
+            min_gain=LOOKUP_MIN_GAIN,
         )
-        dropped = {req_id for _, req_id in weighed[keep:]}
-        self.counters["lookup_step_declined"] += len(dropped)
-        return {r: t for r, t in chosen.items() if r not in dropped}
+        out = dict(chosen)
+        for req_id, n in zip(weighed, lengths, strict=True):
+            if n > 0:
+                out[req_id] = chosen[req_id][:n]
+            else:
+                del out[req_id]
+                self.counters["lookup_step_declined"] += 1
+        return out
 
     def _sample_from_logits(self, logits: torch.Tensor, sampling_metadata: Any) -> Any:
         """vLLM's draft sampling, from the distribution the request samples from: the
