@@ -88,8 +88,9 @@ def test_a_lone_lookup_does_not_pay_the_step_where_leaving_the_plain_path_is_dea
     # batch 32, one request with a good lookup (E = 2.5 of 3 drafts): +1.5 tokens on 32 is +4.7%,
     # while any drafting costs 8% of the step (the sampled rejection sampler over the batch)
     assert _step([GOOD]) == [0]
-    # where leaving the plain path is cheap (greedy), the same lookup pays
-    assert _step([GOOD], verify_cost=_step_verify(fixed=0.005, per_token=0.05)) == [3]
+    # where leaving the plain path is cheap (greedy), several such lookups pay together
+    cheap = _step_verify(fixed=0.005, per_token=0.05)
+    assert _step([GOOD] * 8, verify_cost=cheap) == [3] * 8
     # at batch 1 the lookup is the whole step: it pays
     assert _step([GOOD], batch_size=1) == [3]
 
@@ -121,15 +122,21 @@ def test_a_lookup_is_cut_to_the_tokens_that_pay():
     assert _step([run], batch_size=1, verify_cost=_step_verify(fixed=0.05, per_token=0.1)) == [4]
 
 
-def test_lookups_must_beat_the_step_by_the_min_gain_of_their_share():
-    # batch 1: +4% over plain decoding is below the 5% asked
+def test_lookups_must_beat_the_step_by_the_min_gain():
+    # batch 1: +5.5% over plain decoding passes a 5% margin, not a 6% one
     lookup = [0.16]
-    verify = _step_verify(fixed=0.0, per_token=0.1)  # 1.16 tokens / 1.1 steps = +5.5%
+    verify = _step_verify(fixed=0.0, per_token=0.1)  # 1.16 tokens / 1.1 steps
     assert _step([lookup], batch_size=1, verify_cost=verify) == [1]
     assert _step([lookup], batch_size=1, verify_cost=verify, min_gain=0.06) == [0]
-    # batch 32: the same lookup is asked 5% of its share of the batch (1/32)
+    # the margin is the step's: at batch 32 one good lookup (+1.5 tokens, +4.7%) is below it
+    # even where its verification is nearly free, three of them are not
     cheap = _step_verify(fixed=0.0, per_token=0.01)
-    assert _step([GOOD], verify_cost=cheap) == [3]
+    assert _step([GOOD], verify_cost=cheap) == [0]
+    assert _step([GOOD] * 3, verify_cost=cheap) == [3] * 3
+    # tokens the cost table prices at nothing more (the same quarter) need no margin
+    assert _step([[0.01]], batch_size=32, verify_cost=lambda x: 1.0 if x == 0 else 1.2,
+                 others=StepDrafts(tokens=8.0, drafts=32)) == [1]
+    assert _step([[0.01]], batch_size=32, verify_cost=lambda x: 1.0 if x == 0 else 1.2) == [0]
 
 
 def test_a_step_that_verifies_drafts_anyway_takes_a_lone_lookup():

@@ -21,7 +21,8 @@ costs):
   verifying that many draft tokens per request (the cost table is keyed by exactly that), and
   kept when the step beats the same step without them by :data:`LOOKUP_MIN_GAIN` (5%: a lookup's
   cost is a verification alone, whose estimate spreads less than a draft forward's; the
-  controller asks 10% of layer-skip drafts) of the share of the batch they draft for.
+  controller asks 10% of layer-skip drafts). The margin is the step's: the noise it guards
+  against, that of the measured step costs, is shared by every request of the step.
 
 A step in which every drafting request takes its lookup draft runs no draft forward.
 
@@ -209,30 +210,33 @@ def lookup_lengths_for_the_step(
     keeping the prefix that maximises the batch's expected tokens per unit of step time,
     ``(B + others.tokens + sum of the probabilities taken) / (v(x) + pass_len * r)`` with ``x``
     the draft tokens per request of the whole step
-    (:func:`~vllm_selfspec.control.step_costs.quantise_x`), among the prefixes that beat the
-    step without them by ``min_gain`` of the share of the batch they draft for (``m`` requests:
-    ``min_gain * m / B``; at batch 1, ``min_gain`` over plain decoding); else none.
+    (:func:`~vllm_selfspec.control.step_costs.quantise_x`), when that beats the step without
+    them by ``min_gain`` (or costs no more by the table); else none. The margin is the step's,
+    not each lookup's: what it guards against is the noise of the measured step costs, which
+    every request of the step shares.
     ``verify_cost(x)`` and ``draft_cost`` in plain steps of the batch."""
     b = max(int(batch_size), 1)
     forwards = others.pass_len * draft_cost
 
-    def rate(gain: float, drafts: int) -> float:
+    def cost(drafts: int) -> float:
         # priced as the cost table measured it: per request, in quarters, any drafting >= 1/4
-        return (b + gain) / (verify_cost(quantise_x(drafts, b)) + forwards)
+        return verify_cost(quantise_x(drafts, b)) + forwards
 
     # best first; the sort is stable, so a request's tokens keep their order where they tie
     tokens = sorted(
         ((p, row) for row, probs in enumerate(lookups) for p in probs), key=lambda t: -t[0]
     )
-    base = rate(others.tokens, others.drafts)
+    base_cost = cost(others.drafts)
+    base = (b + others.tokens) / base_cost
     best_rate, best_n = base, 0
-    gain, drafts, rows = others.tokens, others.drafts, set()
-    for n, (p, row) in enumerate(tokens, start=1):
+    gain, drafts = others.tokens, others.drafts
+    for n, (p, _) in enumerate(tokens, start=1):
         gain += p
         drafts += 1
-        rows.add(row)
-        r = rate(gain, drafts)
-        if r > best_rate and r > base * (1.0 + min_gain * len(rows) / b):
+        c = cost(drafts)
+        r = (b + gain) / c
+        # tokens the table prices at nothing more need no margin
+        if r > best_rate and (r > base * (1.0 + min_gain) or c == base_cost):
             best_rate, best_n = r, n
     lengths = [0] * len(lookups)
     for _, row in tokens[:best_n]:
