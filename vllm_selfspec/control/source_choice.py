@@ -7,12 +7,15 @@ per step, which requests draft by lookup and how many of their lookup tokens are
 expected tokens per unit of time (plain decoding steps of the batch, the controller's measured
 costs):
 
-* A request with a layer-skip budget ``k`` from the draft-length controller (it drafts either
-  way) takes its lookup draft in place of the budget when that pays at least as well,
-  ``max over j <= n of E_lookup(j) / v(j) >= E(a_skip, k) / (v(k) + k * r)``, and beats plain
-  decoding by :data:`LOOKUP_MIN_GAIN` (:func:`lookup_length`). ``v(k)`` is a step verifying
-  ``k`` drafts per request, ``r`` one draft forward.
-* The lookups of requests that would not draft otherwise are weighed for the step as a whole
+* Each request's lookup draft is cut to the length ``j`` that pays best priced as if every
+  request of the batch verified as many (a bound on its cost whatever the rest of the batch
+  does), and taken when that pays at least as well as the layer-skip budget ``k`` the
+  draft-length controller planned,
+  ``max over j <= n of E_lookup(j) / v(j) >= E(a_skip, k) / (v(k) + k * r)`` (1.0, plain
+  decoding, when ``k == 0``), and beats plain decoding by :data:`LOOKUP_MIN_GAIN`
+  (:func:`lookup_length`). ``v(k)`` is a step verifying ``k`` drafts per request, ``r`` one draft
+  forward. A request with a budget drafts either way: its lookup replaces the budget.
+* The lookups of requests that would not draft otherwise are then weighed for the step as a whole
   (:func:`lookup_lengths_for_the_step`): a step in which *any* request verifies drafts leaves
   vLLM's plain path for the whole batch (its rejection sampler runs over the batch: at
   temperature > 0 on a CPU, about as costly as a few requests' drafts), so a lone lookup among
@@ -161,12 +164,12 @@ def lookup_length(
     draft_cost: float,
     min_gain: float,
 ) -> int:
-    """How many of a request's ``lookup_len`` lookup drafts to verify in place of its layer-skip
-    budget: the length ``j`` that maximises ``lookup_expected(j) / v(j)`` (the expected tokens
-    of verifying the first ``j``, :meth:`LookupAcceptance.expected`), when that pays at least as
-    well as the layer-skip budget and beats plain decoding by ``min_gain`` (see the module
-    docstring); 0: draft by layer skipping (or not at all). ``verify_cost(k)`` and
-    ``draft_cost`` in plain steps."""
+    """How many of a request's ``lookup_len`` lookup drafts to verify (in place of its
+    layer-skip budget, if any): the length ``j`` that maximises ``lookup_expected(j) / v(j)``
+    (the expected tokens of verifying the first ``j``, :meth:`LookupAcceptance.expected`), when
+    that pays at least as well as the layer-skip budget (plain decoding without one) and beats
+    plain decoding by ``min_gain`` (see the module docstring); 0: draft by layer skipping (or
+    not at all). ``verify_cost(k)`` and ``draft_cost`` in plain steps."""
     if lookup_len <= 0:
         return 0
     best_rate, best_len = 0.0, 0

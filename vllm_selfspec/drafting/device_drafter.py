@@ -485,11 +485,13 @@ class SelfSpecDeviceProposer(DraftModelProposer):
         self, req_ids: list[str], budgets: list[int], k_limit: int, found: dict[str, list[int]]
     ) -> dict[str, list[int]]:
         """The requests that draft by prompt lookup this step, with their drafts: every request
-        with a lookup draft for ``drafts`` lookup; for hybrid, a request with a layer-skip
-        budget takes its lookup draft when it pays at least as well, cut to the length that
-        pays best (:func:`vllm_selfspec.control.source_choice.lookup_length`), and the others'
-        lookups are weighed for the step as a whole (:meth:`_lookups_paying_the_step`). None on
-        the controller's plain-step measurements."""
+        with a lookup draft for ``drafts`` lookup; for hybrid, each request's lookup draft cut
+        to the length that pays best priced as if every request of the batch verified as many
+        (:func:`vllm_selfspec.control.source_choice.lookup_length`: against the layer-skip
+        budget, or plain decoding), a bound whatever the rest of the batch does; then the
+        lookups of requests without a budget are weighed for the step as a whole
+        (:meth:`_lookups_paying_the_step`). None on the controller's plain-step
+        measurements."""
         if not found or self.controller.explored_last_plan:
             return {}
         lookup_acceptance = self.lookup_acceptance
@@ -499,7 +501,7 @@ class SelfSpecDeviceProposer(DraftModelProposer):
         draft_cost = self.controller.cost_ratio(batch) if hybrid else 0.0
         verify = (
             [self.controller.verify_cost_ratio(batch, k) for k in range(self.k_max + 1)]
-            if hybrid and any(b > 0 for b in budgets)
+            if hybrid
             else []
         )
         chosen = {}
@@ -509,7 +511,7 @@ class SelfSpecDeviceProposer(DraftModelProposer):
             if not tokens or cap <= 0:
                 continue
             tokens = tokens[:cap]
-            if hybrid and budget > 0:
+            if hybrid:
                 tokens = tokens[: lookup_length(
                     lookup_expected=lambda j, r=req_id: lookup_acceptance.expected(r, j),
                     lookup_len=len(tokens),
