@@ -19,9 +19,10 @@ from vllm_selfspec.control.source_choice import (
 from vllm_selfspec.control.step_costs import quantise_x
 
 
-def _length(lookup_acceptance: float = 0.6, **kw) -> int:
-    """:func:`lookup_length` with the lookup's expected tokens of a per-token acceptance."""
-    args = dict(lookup_expected=lambda j: expected_tokens(lookup_acceptance, j), lookup_len=4,
+def _length(lookup_acceptance: float = 0.6, lookup_len: int = 4, **kw) -> int:
+    """:func:`lookup_length` for a lookup of ``lookup_len`` drafts landing with a per-token
+    acceptance (the first ``i`` land with ``a ** i``)."""
+    args = dict(lookup_landing=[lookup_acceptance**i for i in range(1, lookup_len + 1)],
                 skip_acceptance=0.6, skip_budget=4, verify_cost=lambda k: 1.0 + 0.05 * k,
                 draft_cost=0.4, min_gain=0.05)
     return lookup_length(**{**args, **kw})

@@ -39,7 +39,7 @@ Pure Python: importable without vLLM or torch.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from vllm_selfspec.control.controller import expected_tokens
@@ -156,27 +156,29 @@ class LookupAcceptance:
 
 def lookup_length(
     *,
-    lookup_expected: Callable[[int], float],
-    lookup_len: int,
+    lookup_landing: Sequence[float],
     skip_acceptance: float,
     skip_budget: int,
     verify_cost: Callable[[int], float],
     draft_cost: float,
     min_gain: float,
 ) -> int:
-    """How many of a request's ``lookup_len`` lookup drafts to verify (in place of its
-    layer-skip budget, if any): the length ``j`` that maximises ``lookup_expected(j) / v(j)``
-    (the expected tokens of verifying the first ``j``, :meth:`LookupAcceptance.expected`), when
-    that pays at least as well as the layer-skip budget (plain decoding without one) and beats
-    plain decoding by ``min_gain`` (see the module docstring); 0: draft by layer skipping (or
-    not at all). ``verify_cost(k)`` and ``draft_cost`` in plain steps."""
-    if lookup_len <= 0:
-        return 0
+    """How many of a request's lookup drafts to verify (in place of its layer-skip budget, if
+    any). ``lookup_landing[i - 1]`` is the probability that its first ``i`` lookup drafts land
+    (:meth:`LookupAcceptance.landing`), so verifying the first ``j`` yields
+    ``E(j) = 1 + sum(lookup_landing[:j])`` tokens: the length ``j`` that maximises
+    ``E(j) / v(j)``, when that pays at least as well as the layer-skip budget (plain decoding
+    without one) and beats plain decoding by ``min_gain`` (see the module docstring); 0: draft
+    by layer skipping (or not at all). ``verify_cost(k)`` and ``draft_cost`` in plain steps."""
     best_rate, best_len = 0.0, 0
-    for j in range(1, int(lookup_len) + 1):
-        rate = lookup_expected(j) / verify_cost(j)
+    expected = 1.0
+    for j, p in enumerate(lookup_landing, start=1):
+        expected += p
+        rate = expected / verify_cost(j)
         if rate > best_rate * (1.0 + 1e-12):  # ties go to the shorter draft
             best_rate, best_len = rate, j
+    if best_len == 0:
+        return 0
     if skip_budget > 0:
         rate_skip = expected_tokens(skip_acceptance, skip_budget) / (
             verify_cost(skip_budget) + skip_budget * draft_cost

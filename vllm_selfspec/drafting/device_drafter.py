@@ -494,8 +494,7 @@ class SelfSpecDeviceProposer(DraftModelProposer):
         measurements."""
         if not found or self.controller.explored_last_plan:
             return {}
-        lookup_acceptance = self.lookup_acceptance
-        assert lookup_acceptance is not None
+        assert self.lookup_acceptance is not None
         batch = len(req_ids)
         hybrid = self.settings.drafts == "hybrid"
         draft_cost = self.controller.cost_ratio(batch) if hybrid else 0.0
@@ -505,6 +504,7 @@ class SelfSpecDeviceProposer(DraftModelProposer):
             else []
         )
         chosen = {}
+        landing: dict[str, list[float]] = {}  # hybrid: each chosen lookup's landing probabilities
         for req_id, budget in zip(req_ids, budgets, strict=True):
             tokens = found.get(req_id)
             cap = min(self.controller.request_cap(req_id), k_limit, self.k_max)
@@ -512,19 +512,20 @@ class SelfSpecDeviceProposer(DraftModelProposer):
                 continue
             tokens = tokens[:cap]
             if hybrid:
-                tokens = tokens[: lookup_length(
-                    lookup_expected=lambda j, r=req_id: lookup_acceptance.expected(r, j),
-                    lookup_len=len(tokens),
+                probs = self.lookup_acceptance.landing(req_id, len(tokens))
+                n = lookup_length(
+                    lookup_landing=probs,
                     skip_acceptance=self.controller.request_acceptance(req_id),
                     skip_budget=budget,
                     verify_cost=verify.__getitem__,
                     draft_cost=draft_cost,
                     min_gain=LOOKUP_MIN_GAIN,
-                )]
+                )
+                tokens, landing[req_id] = tokens[:n], probs[:n]
             if tokens:
                 chosen[req_id] = tokens
         if hybrid and chosen:
-            chosen = self._lookups_paying_the_step(req_ids, budgets, chosen, draft_cost)
+            chosen = self._lookups_paying_the_step(req_ids, budgets, chosen, landing, draft_cost)
         return chosen
 
     def _lookups_paying_the_step(
@@ -532,13 +533,14 @@ class SelfSpecDeviceProposer(DraftModelProposer):
         req_ids: list[str],
         budgets: list[int],
         chosen: dict[str, list[int]],
+        landing: dict[str, list[float]],
         draft_cost: float,
     ) -> dict[str, list[int]]:
         """The chosen lookups cut to what pays for the step as a whole
         (:func:`vllm_selfspec.control.source_choice.lookup_lengths_for_the_step`). A lookup
         taken in place of a layer-skip budget stays (that request drafts either way); the
-        lookups of requests that would otherwise not draft are weighed token by token."""
-        assert self.lookup_acceptance is not None
+        lookups of requests that would otherwise not draft are weighed token by token.
+        ``landing``: each chosen lookup's landing probabilities, one per draft token."""
         others = StepDrafts()
         weighed: list[str] = []
         for req_id, budget in zip(req_ids, budgets, strict=True):
@@ -547,7 +549,7 @@ class SelfSpecDeviceProposer(DraftModelProposer):
                 if budget <= 0:
                     weighed.append(req_id)
                     continue
-                expected = self.lookup_acceptance.expected(req_id, len(tokens))
+                expected = 1.0 + sum(landing[req_id])
                 drafts, pass_len = len(tokens), 0
             elif budget > 0:
                 expected = expected_tokens(self.controller.request_acceptance(req_id), budget)
@@ -561,7 +563,7 @@ class SelfSpecDeviceProposer(DraftModelProposer):
         batch = len(req_ids)
         lengths = lookup_lengths_for_the_step(
             batch_size=batch,
-            lookups=[self.lookup_acceptance.landing(r, len(chosen[r])) for r in weighed],
+            lookups=[landing[r] for r in weighed],
             others=others,
             verify_cost=lambda x: self.controller.verify_cost_ratio(batch, x),
             draft_cost=draft_cost,
