@@ -239,3 +239,134 @@ def test_preparation_skipped_when_the_plan_runs_no_pass():
     runner.valid_sampled_token_count_event = object()
     calls = len(plans)
     assert call(verified) == "vllm drafts" and len(plans) == calls
+
+
+# --- patch 11: recovered-token noise on CPU --------------------------------------------------
+
+
+def _recovered_inputs(num_draft_tokens: list[int], vocab: int, seed: int = 0):
+    """Inputs of ``sample_recovered_tokens``: random target / draft distributions per draft
+    token, one draft token id each."""
+    g = torch.Generator().manual_seed(seed)
+    n = sum(num_draft_tokens)
+    cu = torch.tensor(num_draft_tokens, dtype=torch.int32).cumsum(0).to(torch.int32)
+    target = torch.softmax(torch.randn(n, vocab, generator=g), -1)
+    draft = torch.softmax(torch.randn(n, vocab, generator=g), -1)
+    drafted = torch.randint(0, vocab, (n,), generator=g, dtype=torch.int32)
+    return cu, drafted, target, draft
+
+
+def _patched_recovered_sampler():
+    import vllm.v1.sample.rejection_sampler as rs
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        pytest.skip("patch 11 is installed on vLLM's CPU build only")
+    current_platform.register_triton_kernel_overrides()  # what a CPU worker does at start
+    cpu_sampler._patch_cpu_recovered_token_noise()
+    return rs
+
+
+def test_recovered_noise_seeded_requests_draw_as_vllm_does():
+    """Patch 11: requests with their own generator draw ``exponential_`` from it, as vLLM does,
+    so with every drafting request seeded the patched and vLLM's functions give the same tokens;
+    a seeded request without drafts leaves its generator untouched."""
+    from types import SimpleNamespace
+
+    rs = _patched_recovered_sampler()
+    num_draft = [2, 0, 3]
+    cu, drafted, target, draft = _recovered_inputs(num_draft, vocab=64)
+
+    def run(fn, scoped: bool):
+        gens = {i: torch.Generator().manual_seed(10 + i) for i in range(3)}
+        meta = SimpleNamespace(generators=gens)
+        args = (3, num_draft, cu, drafted, draft, target, meta, torch.device("cpu"))
+        if scoped:
+            with cpu_sampler.cheap_recovered_token_noise():
+                out = fn(*args)
+        else:
+            out = fn(*args)
+        return out, gens
+
+    ours, gens = run(rs.sample_recovered_tokens, scoped=True)
+    vllms, _ = run(rs.sample_recovered_tokens.__wrapped__, scoped=False)
+    assert torch.equal(ours, vllms)
+    fresh = torch.Generator().manual_seed(11)
+    assert torch.equal(gens[1].get_state(), fresh.get_state())  # no drafts: no draws
+
+
+def test_recovered_noise_outside_selfspec_runners_is_vllms():
+    """Outside the scope that selfspec runners enter, the wrapper delegates to vLLM: same global
+    RNG draws, same tokens."""
+    from types import SimpleNamespace
+
+    rs = _patched_recovered_sampler()
+    num_draft = [1, 2, 0, 1]
+    cu, drafted, target, draft = _recovered_inputs(num_draft, vocab=128, seed=1)
+    meta = SimpleNamespace(generators={})
+    args = (2, num_draft, cu, drafted, draft, target, meta, torch.device("cpu"))
+    torch.manual_seed(3)
+    wrapped = rs.sample_recovered_tokens(*args)
+    after_wrapped = torch.rand(1)
+    torch.manual_seed(3)
+    original = rs.sample_recovered_tokens.__wrapped__(*args)
+    after_original = torch.rand(1)
+    assert torch.equal(wrapped, original)
+    assert torch.equal(after_wrapped, after_original)
+
+
+@pytest.mark.parametrize("with_draft_probs", [True, False])
+def test_recovered_noise_samples_the_residual_distribution(with_draft_probs):
+    """Patch 11's tokens follow vLLM's recovered distribution: ``max(p - q, 0)`` normalised with
+    draft probabilities, ``p`` without the draft token otherwise (chi-square, 24,000 draws).
+    Negative control: the same draws against a uniform distribution on that support are
+    rejected."""
+    from types import SimpleNamespace
+
+    from scipy.stats import chisquare
+
+    rs = _patched_recovered_sampler()
+    vocab, rows = 6, 400
+    p = torch.tensor([0.30, 0.25, 0.20, 0.12, 0.08, 0.05])
+    q = torch.tensor([0.05, 0.40, 0.10, 0.30, 0.10, 0.05])
+    num_draft = [1] * rows
+    cu = torch.arange(1, rows + 1, dtype=torch.int32)
+    drafted = torch.full((rows,), 1, dtype=torch.int32)
+    target = p.expand(rows, vocab).contiguous()
+    draft = q.expand(rows, vocab).contiguous() if with_draft_probs else None
+    meta = SimpleNamespace(generators={})
+    counts = torch.zeros(vocab)
+    torch.manual_seed(0)
+    with cpu_sampler.cheap_recovered_token_noise():
+        for _ in range(60):
+            out = rs.sample_recovered_tokens(
+                1, num_draft, cu, drafted, draft, target, meta, torch.device("cpu")
+            )
+            counts += torch.bincount(out.long(), minlength=vocab)
+    if with_draft_probs:
+        residual = (p - q).clamp(min=0)
+    else:  # vLLM's kernel without draft probabilities: the target without the draft token
+        residual = p.clone().index_fill_(0, torch.tensor([1]), 0)
+    residual = residual / residual.sum()
+    support = residual > 0
+    assert counts[~support].sum() == 0
+    total = counts.sum().item()
+    assert chisquare(counts[support].numpy(), (residual[support] * total).numpy()).pvalue > 1e-4
+    control = torch.full((int(support.sum()),), total / int(support.sum()))  # uniform
+    assert chisquare(counts[support].numpy(), control.numpy()).pvalue < 1e-6
+
+
+def test_recovered_noise_rows_without_drafts_draw_nothing():
+    """Only requests with drafts get noise: the rows of the others are never filled (vLLM's
+    kernel does not read them), and rows with drafts hold finite, non-negative ``1 / q``."""
+    inv_q = cpu_sampler.recovered_token_inverse_noise(
+        [0, 3, 0, 1], {}, 32, torch.float32, torch.device("cpu")
+    )
+    assert inv_q.shape == (4, 32)
+    for row in (1, 3):
+        assert torch.isfinite(inv_q[row]).all() and (inv_q[row] >= 0).all()
+    torch.manual_seed(5)
+    cpu_sampler.recovered_token_inverse_noise([0, 0], {}, 32, torch.float32, torch.device("cpu"))
+    after = torch.rand(1)
+    torch.manual_seed(5)
+    assert torch.equal(after, torch.rand(1))

@@ -7,7 +7,8 @@ behaviour of an engine that did not ask for ``"method": "selfspec"``.
 * :mod:`.speculative_config` (``EngineArgs``, ``VllmConfig``): 1. the ``selfspec`` method
   alias; 2. lookahead KV slots.
 * :mod:`.cpu_sampler` (samplers of the CPU build): 3. ``expand_batch_to_tokens``; 6. top-k-only
-  sampling on an empty batch of draft tokens.
+  sampling on an empty batch of draft tokens; 11. cheap recovered-token noise for selfspec
+  runners' rejection sampling.
 * :mod:`.front_end` (front-end process): 5. the plugin's metrics (and the pull of the per-source
   draft counters from the workers); 7. per-request overrides refused when the request arrives.
 * :mod:`.model_runner` (``GPUModelRunner``, worker processes): 4. drafting kept per request, CPU
@@ -85,5 +86,3 @@ def apply_patches() -> None:
     install_metrics(only_if_imported=True)
     install_request_validation(only_if_imported=True)
     install_device_drafter()
-
-

@@ -25,7 +25,8 @@ per-instance patches of selfspec runners.
 9. ``GPUModelRunner._sample`` (per runner instance, selfspec runners only, both drafters): a step
    in which no request has drafts is sampled by vLLM's plain sampler, as a plain engine samples
    it, instead of going through the rejection sampler (see
-   :func:`patch_runner_sample_without_drafts`). Can go once vLLM keys the speculative path on
+   :func:`patch_runner_sample_without_drafts`); a step with drafts runs inside patch 11's scope
+   (:mod:`.cpu_sampler`). Can go once vLLM keys the speculative path on
    the scheduled drafts.
 10. ``WorkerWrapperBase.selfspec_source_totals`` (worker processes; added, not wrapped, when a
    selfspec drafter is built): the per-source draft counters live in the drafter, in the workers,
@@ -48,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm_selfspec.plugin.engine_markers import wants_device_drafter
 from vllm_selfspec.plugin.patches._shared import already_wrapped, install
+from vllm_selfspec.plugin.patches.cpu_sampler import cheap_recovered_token_noise
 from vllm_selfspec.plugin.runner_view import RunnerView
 
 if TYPE_CHECKING:
@@ -321,7 +323,9 @@ def patch_runner_sample_without_drafts(
     draft set: ~0.4 ms a step on CPU, the largest part of the overhead floor. On such a step the
     wrapper calls vLLM's ``_sample`` without the metadata, which samples with the plain sampler
     exactly as a plain engine does (same logits rows: one per request; same generator draws).
-    Steps with drafts delegate unchanged. ``on_plain_step`` is called on each step sampled so.
+    Steps with drafts delegate unchanged, inside :func:`~.cpu_sampler.cheap_recovered_token_noise`
+    (patch 11: on CPU the rejection sampler's recovered-token noise is drawn cheaply, for the
+    requests with drafts only). ``on_plain_step`` is called on each step sampled so.
     Can go once vLLM keys the speculative path on the scheduled drafts.
     """
     original = runner._sample
@@ -329,10 +333,13 @@ def patch_runner_sample_without_drafts(
         return
 
     def _sample(logits: Any, spec_decode_metadata: Any) -> Any:
-        if spec_decode_metadata is not None and spec_decode_metadata.max_spec_len == 0:
-            spec_decode_metadata = None
+        if spec_decode_metadata is None:
+            return original(logits, None)
+        if spec_decode_metadata.max_spec_len == 0:
             if on_plain_step is not None:
                 on_plain_step()
-        return original(logits, spec_decode_metadata)
+            return original(logits, None)
+        with cheap_recovered_token_noise():  # patch 11 (CPU only)
+            return original(logits, spec_decode_metadata)
 
     install(runner, "_sample", _sample, original)
