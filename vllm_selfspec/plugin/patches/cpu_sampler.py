@@ -142,7 +142,7 @@ def _patch_cpu_recovered_token_noise() -> None:
     if already_wrapped(original):
         return
 
-    def sample_recovered_tokens(
+    def with_cheap_noise(
         max_spec_len,
         num_draft_tokens,
         cu_num_draft_tokens,
@@ -153,18 +153,7 @@ def _patch_cpu_recovered_token_noise() -> None:
         device,
         use_fp64_gumbel=False,
     ):
-        if not _CHEAP_RECOVERED_NOISE.get():
-            return original(
-                max_spec_len,
-                num_draft_tokens,
-                cu_num_draft_tokens,
-                draft_token_ids,
-                draft_probs,
-                target_probs,
-                sampling_metadata,
-                device,
-                use_fp64_gumbel,
-            )
+        """vLLM's function with :func:`recovered_token_inverse_noise` as its noise."""
         inv_q = recovered_token_inverse_noise(
             num_draft_tokens,
             sampling_metadata.generators,
@@ -183,6 +172,10 @@ def _patch_cpu_recovered_token_noise() -> None:
             max_spec_len=max_spec_len,
         )
         return recovered_token_ids
+
+    def sample_recovered_tokens(*args, **kwargs):
+        sample = with_cheap_noise if _CHEAP_RECOVERED_NOISE.get() else original
+        return sample(*args, **kwargs)
 
     install(rejection_sampler, "sample_recovered_tokens", sample_recovered_tokens, original)
 
