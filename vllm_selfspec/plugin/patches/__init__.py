@@ -24,6 +24,7 @@ import logging
 from vllm_selfspec.plugin.patches.cpu_sampler import (
     _patch_cpu_empty_top_k_only,
     _patch_cpu_expand_batch_to_tokens,
+    _patch_cpu_recovered_token_noise,
 )
 from vllm_selfspec.plugin.patches.front_end import install_metrics, install_request_validation
 from vllm_selfspec.plugin.patches.model_runner import install_device_drafter
@@ -83,6 +84,7 @@ def apply_patches() -> None:
     _patch_num_lookahead_tokens()
     _patch_cpu_expand_batch_to_tokens()
     _patch_cpu_empty_top_k_only()
+    _patch_cpu_recovered_token_noise()
     install_metrics(only_if_imported=True)
     install_request_validation(only_if_imported=True)
     install_device_drafter()

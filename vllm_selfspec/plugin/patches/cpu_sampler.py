@@ -14,8 +14,9 @@
    empty logits unchanged and delegates otherwise. Can go once vLLM skips the rejection sampler
    on steps without drafts, or its CPU top-k handles an empty batch.
 11. ``rejection_sampler.sample_recovered_tokens`` (CPU platform, selfspec runners only: the
-   module function is wrapped once and acts only inside :func:`cheap_recovered_token_noise`,
-   which the ``_sample`` wrapper of selfspec runners enters on steps with drafts). At
+   module function is wrapped at plugin load and acts only inside
+   :func:`cheap_recovered_token_noise`, which the ``_sample`` wrapper of selfspec runners
+   enters on steps with drafts). At
    temperature > 0 vLLM draws the Gumbel-max noise of the recovered tokens with
    ``Tensor.exponential_`` for *every* request of the batch: ``batch x vocab`` draws per
    verification step. On CPU, PyTorch's ``exponential_`` costs ~20 ns a draw (SmolLM2, vocab
@@ -97,7 +98,7 @@ def _patch_cpu_empty_top_k_only() -> None:
 # --- 11. CPU: cheap Gumbel-max noise for recovered tokens, drafting rows only --------------------
 
 _CHEAP_RECOVERED_NOISE = contextvars.ContextVar("selfspec_cheap_recovered_noise", default=False)
-"""True while a marked runner's rejection sampler runs (selfspec engines on CPU only)."""
+"""True inside :func:`cheap_recovered_token_noise` (a selfspec runner's step with drafts)."""
 
 
 def recovered_token_inverse_noise(
@@ -114,17 +115,18 @@ def recovered_token_inverse_noise(
     import torch
 
     batch_size = len(num_draft_tokens)
-    inv_q = torch.empty((batch_size, vocab_size), dtype=dtype, device=device)
     seeded = {i: g for i, g in generators.items() if num_draft_tokens[i] > 0}
     unseeded = [i for i, n in enumerate(num_draft_tokens) if n > 0 and i not in seeded]
+    noise = None
     if unseeded:
         log_u = torch.rand((len(unseeded), vocab_size), dtype=torch.float64, device=device).log_()
         noise = log_u.to(dtype).reciprocal_().neg_()  # 1 / -log(U): log(U) carries the precision
-        if len(unseeded) == batch_size:
-            inv_q = noise
-        else:
-            rows = torch.tensor(unseeded, dtype=torch.long, device=device)
-            inv_q.index_copy_(0, rows, noise)
+        if len(unseeded) == batch_size:  # every request drafts, none with a seed
+            return noise
+    inv_q = torch.empty((batch_size, vocab_size), dtype=dtype, device=device)
+    if noise is not None:
+        rows = torch.tensor(unseeded, dtype=torch.long, device=device)
+        inv_q.index_copy_(0, rows, noise)
     for i, generator in seeded.items():
         inv_q[i].exponential_(generator=generator).reciprocal_()
     return inv_q
@@ -182,15 +184,9 @@ def _patch_cpu_recovered_token_noise() -> None:
 
 @contextlib.contextmanager
 def cheap_recovered_token_noise() -> Iterator[None]:
-    """Patch 11 acts inside this block (on CPU; elsewhere the block changes nothing). The
-    ``_sample`` wrapper of selfspec runners (patch 9) runs steps with drafts in it, so other
-    engines in the process keep vLLM's noise."""
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        yield
-        return
-    _patch_cpu_recovered_token_noise()
+    """Patch 11 acts inside this block (where it is installed: on CPU; elsewhere the block
+    changes nothing). The ``_sample`` wrapper of selfspec runners (patch 9) runs steps with
+    drafts in it, so other engines in the process keep vLLM's noise."""
     token = _CHEAP_RECOVERED_NOISE.set(True)
     try:
         yield

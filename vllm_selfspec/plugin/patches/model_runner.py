@@ -339,7 +339,7 @@ def patch_runner_sample_without_drafts(
             if on_plain_step is not None:
                 on_plain_step()
             return original(logits, None)
-        with cheap_recovered_token_noise():  # patch 11 (CPU only)
+        with cheap_recovered_token_noise():  # patch 11 (installed on CPU only)
             return original(logits, spec_decode_metadata)
 
     install(runner, "_sample", _sample, original)
