@@ -340,6 +340,7 @@ class DraftLengthController:
         self._states: dict[str, _RequestState] = {}
         self._costs = StepCosts()
         self._priced = self._costs  # self._costs in one unit (see set_step_costs)
+        self._prices: dict[tuple[Any, ...], Any] = {}  # see _memo
         self._window = _Window()
         # engine-wide discounted accepted / tried draft positions (the new requests' prior)
         self._engine_acc = 0.0
@@ -514,6 +515,20 @@ class DraftLengthController:
         (``prior_cost_ratio`` plain steps), as an empty one does."""
         self._costs = costs
         self._priced = costs.comparable()
+        self._prices = {}
+
+    def _memo(self, key: tuple[Any, ...], price: Callable[[], Any]) -> Any:
+        """``price()``, computed once per cost table and ``key``. A table is immutable and
+        serves ~16 steps (:mod:`vllm_selfspec.drafting.cost_feed`), while a step's planning asks
+        for the same few prices hundreds of times (at batch 32 the batch plan, the probes'
+        bound and the lookup choice asked ~50 interpolations a step: ~1 ms of Python beside a
+        ~100 ms step, SmolLM2 on 2 CPU cores)."""
+        value = self._prices.get(key)
+        if value is None:
+            if len(self._prices) >= _MAX_MEMO_ENTRIES:
+                self._prices.clear()
+            value = self._prices[key] = price()
+        return value
 
     @property
     def step_costs(self) -> StepCosts:
@@ -522,14 +537,17 @@ class DraftLengthController:
     def cost_ratio(self, batch_size: int) -> float:
         """One draft forward over the whole batch, in plain steps of that batch."""
         c = self._priced
-        return float(c.draft_cost(batch_size, batch_size, self.config.prior_cost_ratio)) / (
-            c.plain_cost(batch_size))
+        return self._memo(("draft", int(batch_size)), lambda: float(
+            c.draft_cost(batch_size, batch_size, self.config.prior_cost_ratio)
+        ) / c.plain_cost(batch_size))
 
     def verify_cost_ratio(self, batch_size: int, k: int | None = None) -> float:
         """Verifying ``k`` (default ``k_max``) drafts per request, in plain steps."""
         k = self.config.k_max if k is None else k
         c = self._priced
-        return float(c.verify_cost(batch_size, float(k))) / c.plain_cost(batch_size)
+        # verification is priced per batch-size bucket (StepCosts.verify_cost)
+        return self._memo(("verify", bucket(batch_size), float(k)), lambda: float(
+            c.verify_cost(batch_size, float(k))) / c.plain_cost(batch_size))
 
     def _standalone_lengths(self, acceptances: np.ndarray, caps: np.ndarray) -> np.ndarray:
         """Per request, the best ``k`` if it were alone: measured batch-size-1 costs, else the
@@ -545,10 +563,14 @@ class DraftLengthController:
         if kmax <= 0 or acceptances.size == 0:
             return np.zeros(acceptances.shape, dtype=np.int64)
         ks = np.arange(kmax + 1, dtype=np.float64)
-        c = self._costs.of_bucket(1).comparable()
-        time = (np.asarray(c.verify_cost(1, ks)) + ks * float(c.draft_cost(1, 1,
-                                                                           cfg.prior_cost_ratio)))
-        time = time / c.plain_cost(1)
+
+        def alone_time() -> np.ndarray:
+            c = self._costs.of_bucket(1).comparable()
+            time = (np.asarray(c.verify_cost(1, ks))
+                    + ks * float(c.draft_cost(1, 1, cfg.prior_cost_ratio)))
+            return time / c.plain_cost(1)
+
+        time = self._memo(("alone", kmax), alone_time)
         rate = expected_tokens_array(acceptances[:, None], ks[None, :]) / time[None, :]
         rate[:, 0] = 1.0
         rate = np.where(ks[None, :] <= caps[:, None], rate, -np.inf)
@@ -599,15 +621,18 @@ class DraftLengthController:
         measured = self._costs
         x_limit = max(1.0, 2.0 * measured.measured_x(batch_size)) if measured else math.inf
         best = (0, 0)
-        zero = np.zeros(1)
+        # row cap_k - 1, column m: the best m candidates drafting with the common cap cap_k
+        # (every cap priced in one pass over the cost curves)
+        kk = np.minimum(np.arange(1, kmax + 1)[:, None], cap_sorted[None, :])
+        zero = np.zeros((kmax, 1))
+        gain = np.hstack([zero, np.cumsum(expected_tokens_array(a_sorted, kk) - 1.0, axis=1)])
+        extra = fixed_extra + np.hstack([zero, np.cumsum(kk, axis=1)])
+        rows = [fixed_rows[j] + np.hstack([zero, np.cumsum(kk >= j, axis=1)])
+                for j in range(1, depth + 1)]
+        rates = (b + fixed_gain + gain) / step_time(extra, rows)
+        rates[:, 1:] = np.where(extra[:, 1:] <= x_limit * b + 1e-9, rates[:, 1:], -np.inf)
         for cap_k in range(1, kmax + 1):
-            kk = np.minimum(cap_k, cap_sorted)
-            gain = np.concatenate([zero, np.cumsum(expected_tokens_array(a_sorted, kk) - 1.0)])
-            extra = fixed_extra + np.concatenate([zero, np.cumsum(kk)])
-            rows = [fixed_rows[j] + np.concatenate([zero, np.cumsum(kk >= j)])
-                    for j in range(1, depth + 1)]
-            rate = (b + fixed_gain + gain) / step_time(extra, rows)
-            rate[1:] = np.where(extra[1:] <= x_limit * b + 1e-9, rate[1:], -np.inf)
+            rate = rates[cap_k - 1]
             m = int(rate[1:].argmax()) + 1
             if rate[m] > best_rate * (1.0 + 1e-9) and rate[m] > base_rate * (1.0 + cfg.min_gain):
                 best_rate, best = float(rate[m]), (cap_k, m)
@@ -740,9 +765,13 @@ class DraftLengthController:
             return 0
         pb = cfg.probe_budget
         b = max(int(batch_size), 1)
-        plain = c.plain_cost(b)
-        cost = (float(c.verify_cost(b, pb / b)) - plain
-                + pb * float(c.draft_cost(1, b, cfg.prior_cost_ratio))) / plain
+
+        def probe_cost() -> float:
+            plain = c.plain_cost(b)
+            return (float(c.verify_cost(b, pb / b)) - plain
+                    + pb * float(c.draft_cost(1, b, cfg.prior_cost_ratio))) / plain
+
+        cost = self._memo(("probe", b), probe_cost)
         steps = max(cost, 0.0) * max(int(num_off), 1) / cfg.probe_overhead
         return min(math.ceil(steps), _MAX_COST_BOUND_INTERVAL)
 
@@ -834,3 +863,4 @@ class DraftLengthController:
 
 _EARLY_EXPLORE_INTERVAL = 2  # drafting steps between plain steps until a plain cost is known
 _MAX_COST_BOUND_INTERVAL = 4096  # the cost bound on probe intervals never exceeds this
+_MAX_MEMO_ENTRIES = 4096  # prices kept per cost table (a bound: each step asks for a few)
