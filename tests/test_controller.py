@@ -693,3 +693,80 @@ def test_marginal_verify_cost() -> None:
     ctl.set_step_costs(costs(draft=0.5, slope=0.05))
     assert ctl.marginal_verify_cost(1, 4) == pytest.approx(0.05, rel=0.05)
     assert ctl.marginal_verify_cost(1, 0) == 0.0
+
+
+def _random_table(rng: np.random.Generator) -> StepCosts:
+    """A measured-looking table over a few batch-size buckets (plain step, some drafting x's,
+    a draft forward per bucket)."""
+    verify: dict[tuple[int, float], float] = {}
+    draft: dict[int, float] = {}
+    for b in rng.choice([1, 4, 8, 32], size=int(rng.integers(1, 4)), replace=False):
+        plain = 0.02 * float(b) ** 0.5 * rng.uniform(0.8, 1.2)
+        for x in [0.0, 0.25, 0.5, 1.0, 2.0, 4.0][: int(rng.integers(1, 7))]:
+            verify[(int(b), x)] = plain * (1.0 + rng.uniform(0.01, 0.4) * x)
+        draft[int(b)] = plain * rng.uniform(0.02, 0.5)
+    return StepCosts(verify=verify, draft=draft)
+
+
+def _batch_plan_brute_force(ctl: DraftLengthController, batch_size: int, acc: np.ndarray,
+                            caps: np.ndarray, x_limit: float) -> list[int]:
+    """The batch plan's rule, one (cap, m) at a time in scalar arithmetic (no fixed rows)."""
+    c, b, prior = ctl._priced, batch_size, ctl.config.prior_cost_ratio
+    order = sorted(range(acc.size), key=lambda i: (-acc[i], i))
+
+    def rate(ks: list[int]) -> float:
+        time = float(c.verify_cost(b, sum(ks) / b))
+        for depth in range(1, max(ks, default=0) + 1):
+            time += float(c.draft_cost(sum(k >= depth for k in ks), b, prior))
+        return (b + sum(expected_tokens(float(acc[i]), k) - 1.0
+                        for i, k in zip(order, ks, strict=False))) / time
+
+    base = best = rate([])
+    plan = [0] * acc.size
+    for cap_k in range(1, int(caps.max()) + 1):
+        ks_all = [min(cap_k, int(caps[i])) for i in order]
+        rates = [rate(ks_all[:m]) if sum(ks_all[:m]) <= x_limit * b + 1e-9 else -math.inf
+                 for m in range(1, acc.size + 1)]
+        m = int(np.argmax(rates)) + 1
+        if rates[m - 1] > best * (1 + 1e-9) and rates[m - 1] > base * (1 + ctl.config.min_gain):
+            best = rates[m - 1]
+            plan = [0] * acc.size
+            for i, k in zip(order[:m], ks_all[:m], strict=True):
+                plan[i] = k
+    return plan
+
+
+def test_batch_plan_is_the_brute_force_argmax() -> None:
+    # the plan prices every (common cap, number of candidates drafting) at once on arrays; the
+    # same rule evaluated one plan at a time gives the same budgets
+    rng = np.random.default_rng(0)
+    for _ in range(150):
+        ctl = make(k_max=int(rng.integers(1, 7)))
+        ctl.set_step_costs(_random_table(rng))
+        n = int(rng.choice([1, 3, 8, 17, 32]))
+        acc = rng.beta(4.0, 1.5, size=n)
+        caps = rng.integers(1, ctl.config.k_max + 1, size=n)
+        x_limit = max(1.0, 2.0 * ctl.step_costs.measured_x(n))
+        plan = ctl._batch_plan(n, acc, caps, fixed=[]).tolist()
+        assert plan == _batch_plan_brute_force(ctl, n, acc, caps, x_limit)
+
+
+def test_prices_follow_each_new_cost_table() -> None:
+    # prices are kept per table while planning: every new table prices afresh, exactly as a
+    # controller that has only ever seen that table
+    rng = np.random.default_rng(1)
+    ctl = make(k_max=4)
+    ids = [f"r{i}" for i in range(8)]
+    for _ in range(20):
+        table = _random_table(rng)
+        ctl.set_step_costs(table)
+        fresh = make(k_max=4)
+        fresh.set_step_costs(table)
+        for b in (1, 5, 8, 32):
+            assert ctl.cost_ratio(b) == fresh.cost_ratio(b)
+            for k in (0, 1, 2.5, 4):
+                assert ctl.verify_cost_ratio(b, k) == fresh.verify_cost_ratio(b, k)
+            assert ctl._min_probe_interval(b, 3) == fresh._min_probe_interval(b, 3)
+        assert (ctl._standalone_lengths(np.full(8, 0.7), np.full(8, 4)).tolist()
+                == fresh._standalone_lengths(np.full(8, 0.7), np.full(8, 4)).tolist())
+        assert ctl.plan(ids) == fresh.plan(ids)
