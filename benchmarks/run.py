@@ -820,10 +820,29 @@ def configure(args: argparse.Namespace) -> Suite:
         if swapped:
             suite.name = f"{suite.name}-{args.model}"
     if args.methods:
+        wanted = method_names(args.methods, {m.name for g in suite.groups for m in g.methods})
         for g in suite.groups:
-            g.methods = [m for m in g.methods if m.name in args.methods]
+            g.methods = [m for m in g.methods if m.name in wanted]
         suite.groups = [g for g in suite.groups if g.methods]
     return suite
+
+
+def method_names(parts: list[str], available: set[str]) -> set[str]:
+    """``--methods`` split at its commas, read back into the suite's method names: a name that
+    holds a comma ("selfspec device, every request capped at 0") is its parts joined again.
+    A name the suite does not have stops the run before any engine starts (a typo used to run
+    the plain engine alone and write an empty table)."""
+    wanted: set[str] = set()
+    pending: str | None = None
+    for part in parts:
+        pending = part if pending is None else f"{pending},{part}"
+        if pending.strip() in available:
+            wanted.add(pending.strip())
+            pending = None
+    if pending is not None:
+        raise SystemExit(f"--methods: {pending.strip()!r} is not a method of this suite; "
+                         f"its methods: {', '.join(sorted(available))}")
+    return wanted
 
 
 def _deadline(text: str | None) -> float | None:

@@ -161,6 +161,17 @@ def test_smoke_suite_arguments():
         run.parse_args(["--suite", "smoke", "--reps", "0"])
 
 
+def test_methods_option_takes_names_with_commas_and_refuses_unknown_ones():
+    floor = "selfspec device, every request capped at 0"
+    suite = run.configure(run.parse_args(["--suite", "overhead-floor", "--methods", floor]))
+    assert [m.name for g in suite.groups for m in g.methods] == [floor]
+    suite = run.configure(run.parse_args(
+        ["--suite", "hybrid", "--methods", "ngram,selfspec hybrid"]))
+    assert {m.name for g in suite.groups for m in g.methods} == {"ngram", "selfspec hybrid"}
+    with pytest.raises(SystemExit, match="'ngarm' is not a method of this suite"):
+        run.configure(run.parse_args(["--suite", "hybrid", "--methods", "ngarm"]))
+
+
 @pytest.mark.parametrize("name", run.SUITES)
 def test_every_suite_has_a_plan(name):
     suite = run.build_suite(name)
