@@ -3,6 +3,7 @@ through ``vllm_xargs``, and the CPU top-k patch (patch 6)."""
 
 from __future__ import annotations
 
+import logging
 from types import SimpleNamespace
 
 import pytest
@@ -122,12 +123,22 @@ def test_per_source_counters_follow_the_pulled_totals(model_dir, caplog):
     assert _sample("vllm:selfspec_num_accepted_tokens_total", source="lookup") == 9
     assert _sample("vllm:selfspec_num_drafts_total", source="lookup") == 5
     assert _sample("vllm:selfspec_num_drafts_total", source="layer_skip") == 1
-    with caplog.at_level("INFO", logger="vllm.selfspec.metrics"):
-        ours.log()
-        ours.observe_source_totals([(0, _totals((6, 18, 9), (1, 3, 3)))])
-        ours.log()
-        ours.log()  # nothing new: no line
-    lines = [r.getMessage() for r in caplog.records if "by source" in r.getMessage()]
+    # vLLM's "vllm" logger may not propagate to the root logger where caplog listens (that
+    # depends on what configured logging first): listen on our logger itself
+    records: list[logging.LogRecord] = []
+    listener = logging.Handler(level=logging.INFO)
+    listener.emit = records.append
+    metrics_logger = logging.getLogger("vllm.selfspec.metrics")
+    metrics_logger.addHandler(listener)
+    try:
+        with caplog.at_level("INFO", logger="vllm.selfspec.metrics"):
+            ours.log()
+            ours.observe_source_totals([(0, _totals((6, 18, 9), (1, 3, 3)))])
+            ours.log()
+            ours.log()  # nothing new: no line
+    finally:
+        metrics_logger.removeHandler(listener)
+    lines = [r.getMessage() for r in records if "by source" in r.getMessage()]
     assert lines == [
         "selfspec drafts by source (engine 0): lookup 15 draft tokens in 5 drafts, 0.60 "
         "accepted; layer_skip 3 draft tokens in 1 drafts, 1.00 accepted",
@@ -143,6 +154,38 @@ def test_per_source_counters_follow_the_pulled_totals(model_dir, caplog):
         wrapper = getattr(cls, attr)
         assert getattr(wrapper, "_vllm_selfspec_patched", False), (cls, attr)
         assert not getattr(wrapper.__wrapped__, "_vllm_selfspec_patched", False), (cls, attr)
+
+
+def test_per_source_counters_of_data_parallel_engines(model_dir):
+    """With data parallelism each engine's first TP rank answers with its own DP rank: its totals
+    advance the counters labelled with that engine only, and each engine's increments are
+    computed against its own previous pull."""
+    from vllm.v1.metrics.loggers import StatLoggerManager
+
+    from vllm_selfspec.plugin.metrics import selfspec_stat_logger
+
+    spec = _vllm_config(model_dir, {"method": "selfspec", "skip_attention": [2],
+                                    "num_speculative_tokens": 3})
+    manager = StatLoggerManager(spec, engine_idxs=[0, 1], enable_default_loggers=False)
+    ours = selfspec_stat_logger(manager)
+    assert ours is not None and ours.engine_indexes == [0, 1]
+    name = "vllm:selfspec_num_draft_tokens_total"
+
+    def sample(engine, source):
+        from prometheus_client import REGISTRY
+
+        return REGISTRY.get_sample_value(
+            name, {"model_name": "unit", "engine": str(engine), "source": source})
+
+    ours.observe_source_totals([(0, _totals((2, 6, 4), (1, 3, 3))), None,
+                                (1, _totals((1, 4, 4), (0, 0, 0))), None])
+    assert (sample(0, "lookup"), sample(0, "layer_skip")) == (6, 3)
+    assert (sample(1, "lookup"), sample(1, "layer_skip")) == (4, 0)
+    # only engine 1 drafted since: engine 0's counters stay, engine 1's grow by the difference
+    ours.observe_source_totals([(1, _totals((3, 10, 7), (2, 8, 5))), None,
+                                (0, _totals((2, 6, 4), (1, 3, 3))), None])
+    assert (sample(0, "lookup"), sample(0, "layer_skip")) == (6, 3)
+    assert (sample(1, "lookup"), sample(1, "layer_skip")) == (10, 8)
 
 
 def test_flat_vllm_xargs_overrides():
