@@ -768,6 +768,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")],
                    help="online suite: comma-separated request rates per second, inf allowed")
     p.add_argument("--num-prompts", type=int, help="online suite: requests per rate")
+    p.add_argument("--batch1-prompts", type=int,
+                   help="prompts run one after another in each batch-1 cell (default: the "
+                        "suite's, 2); more narrow the spread of sampled batch-1 cells")
     p.add_argument("--methods", type=lambda s: s.split(","),
                    help="only these method names (plain always runs)")
     p.add_argument("--time-budget-min", type=float,
@@ -781,7 +784,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="vLLM engines in vLLM's default mode (torch.compile) instead of eager")
     p.add_argument("--dry-run", action="store_true", help="print the plan as JSON and exit")
     args = p.parse_args(argv)
-    for name in ("reps", "max_tokens", "time_budget_min", "num_prompts"):
+    for name in ("reps", "max_tokens", "time_budget_min", "num_prompts", "batch1_prompts"):
         v = getattr(args, name)
         if v is not None and v <= 0:
             p.error(f"--{name.replace('_', '-')} must be > 0")
@@ -806,6 +809,8 @@ def configure(args: argparse.Namespace) -> Suite:
         suite.temperatures = args.temperatures
     if args.time_budget_min:
         suite.time_budget_s = 60 * args.time_budget_min
+    if args.batch1_prompts:
+        suite.batch1_prompts = args.batch1_prompts
     if args.compile:
         suite.compile = True
     if args.model:

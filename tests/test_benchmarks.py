@@ -155,6 +155,12 @@ def test_smoke_suite_arguments():
         2, [1, 2], [0.0, 0.7], 4)
     assert [m.name for g in suite.groups for m in g.methods] == ["ngram"]
     assert suite.time_budget_s == 60
+    assert suite.batch1_prompts == 1  # the smoke suite's own
+    suite = run.configure(run.parse_args(["--suite", "smoke", "--batch1-prompts", "8"]))
+    assert suite.batch1_prompts == 8 and run.prompts_for(suite, 1) == 8
+    assert run.plan(suite)["batch1_prompts"] == 8
+    with pytest.raises(SystemExit):
+        run.parse_args(["--suite", "smoke", "--batch1-prompts", "0"])
     with pytest.raises(SystemExit):
         run.parse_args(["--suite", "nope"])
     with pytest.raises(SystemExit):
