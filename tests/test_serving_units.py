@@ -172,10 +172,7 @@ def test_per_source_counters_of_data_parallel_engines(model_dir):
     name = "vllm:selfspec_num_draft_tokens_total"
 
     def sample(engine, source):
-        from prometheus_client import REGISTRY
-
-        return REGISTRY.get_sample_value(
-            name, {"model_name": "unit", "engine": str(engine), "source": source})
+        return _sample(name, engine=str(engine), source=source)
 
     ours.observe_source_totals([(0, _totals((2, 6, 4), (1, 3, 3))), None,
                                 (1, _totals((1, 4, 4), (0, 0, 0))), None])
