@@ -26,11 +26,13 @@ A time budget stops starting new repetitions when a group runs long (the run cou
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime as dt
 import json
 import os
 import platform
+import signal
 import sys
 import time
 import traceback
@@ -444,6 +446,7 @@ class Runner:
         self._plain: Any = None
         self._plain_model: str | None = None
         self._prompts: dict[str, dict[str, list[str]]] = {}
+        self._open: list[tuple[Method, Any]] = []  # the running group's engines
 
     # -- engines
     def _start(self, method: Method, model_dir: str, kind: str, sampler: Any) -> Any:
@@ -497,6 +500,7 @@ class Runner:
                     self._plain_model = model_dir
                     self._engine_info("plain", group, self._plain)
                 engines: list[tuple[Method, Any]] = []
+                self._open = engines  # closed by the finally below if the group does not end
                 for m in group.methods:
                     self.log(f"[{suite.name}] group {gi}: starting {m.name}")
                     try:
@@ -532,6 +536,7 @@ class Runner:
                     self._load(f"group {gi} rep {rep}")
                     self.log(f"[{suite.name}] group {gi} rep {rep} took {rep_times[-1]:.0f} s, "
                              f"load {os.getloadavg()[0]:.2f}")
+                self._open = []
                 for _m, eng in engines:
                     self._close(eng, sampler)
                 for rr in self.records:
@@ -540,6 +545,12 @@ class Runner:
                 budget_left -= time.time() - g_start
                 self.write(partial=True)
         finally:
+            # an exception, Ctrl-C or SIGTERM (see _exit_on_sigterm) mid-group: the group's
+            # engines are closed too, not left running beside whatever runs next
+            for _m, eng in self._open:
+                with contextlib.suppress(Exception):
+                    self._close(eng, sampler)
+            self._open = []
             if self._plain is not None:
                 self._close(self._plain, sampler)
                 for rr in self.records:
@@ -870,6 +881,19 @@ def rerender(path: Path) -> dict[str, Any]:
     return result
 
 
+def _exit_on_sigterm() -> None:
+    """Make SIGTERM (``kill``, ``timeout``) unwind like Ctrl-C: Python's default ends the process
+    without running ``finally`` blocks, and a vLLM engine's worker processes then outlive the
+    run (seen: two 5 GB compiled Qwen workers still decoding after the runner was killed, which
+    would load the next benchmark's 2 cores). Unwinding closes the engines and keeps the
+    repetitions already measured (a partial result)."""
+
+    def _raise(signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, _raise)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.rerender:
@@ -892,8 +916,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{time.strftime('%H:%M:%S')} {msg}", flush=True)
 
     runner = Runner(suite, args.out_dir, deadline=_deadline(args.deadline), log=log)
+    _exit_on_sigterm()
     try:
         result = runner.run()
+    except KeyboardInterrupt as exc:
+        log(f"[{suite.name}] interrupted ({exc or 'Ctrl-C'}): engines closed, writing what ran")
+        runner.write(partial=True)
+        return 130
     except Exception:
         traceback.print_exc()
         runner.write(partial=True)

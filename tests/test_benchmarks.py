@@ -677,3 +677,82 @@ def test_gpu_script_free_drafts_are_exact(zeroed):
     assert exact["control_logits_equal"] and exact["control_tokens_equal"]
     assert exact["logits_equal"] is zeroed
     assert (exact["logits_max_abs_diff"] == 0) is zeroed
+
+
+# ------------------------------------------------------------------- interrupted runs
+
+class _FakeEngine:
+    """Stands in for a vLLM engine in the runner: decodes nothing, records ``close``."""
+
+    def __init__(self, name: str, fail_on_generate: int | None = None) -> None:
+        self.name, self.k, self.start_s, self.pids = name, 0, 0.0, []
+        self.closed = False
+        self.calls = 0
+        self.fail_on_generate = fail_on_generate
+
+    def generate(self, prompts, temperature, max_tokens, batch):
+        self.calls += 1
+        if self.calls == self.fail_on_generate:
+            raise KeyboardInterrupt("signal 15")
+        return [[1, 2, 3] for _ in prompts], 0.5
+
+    def spec_counters(self):
+        return {}
+
+    def drafter_stats(self):
+        return None
+
+    def inter_token_latency(self):
+        return None
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_an_interrupted_run_closes_every_engine_and_keeps_what_ran(tmp_path, monkeypatch):
+    import signal
+
+    started: list[_FakeEngine] = []
+
+    def fake_start(self, method, model_dir, kind, sampler):
+        # the hybrid is interrupted on its 3rd generate: warm-up, repetition 0, repetition 1
+        eng = _FakeEngine(method.name, 3 if method.name == "selfspec hybrid" else None)
+        started.append(eng)
+        return eng
+
+    monkeypatch.setattr(run.Runner, "_start", fake_start)
+    monkeypatch.setattr(run, "resolve_model", lambda kind: f"/models/{kind}")
+    monkeypatch.setattr(run, "prompt_sets",
+                        lambda model_dir, datasets, n: {d: ["p"] * n for d in datasets})
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "WARNING")
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        rc = run.main(["--suite", "hybrid", "--methods", "selfspec hybrid,ngram",
+                       "--batches", "1", "--datasets", "humaneval", "--temperatures", "0",
+                       "--reps", "3", "--out-dir", str(tmp_path)])
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert rc == 130
+    # the hybrid's group was interrupted; ngram's group never started; plain and the hybrid
+    # were both closed (before, only plain's engine was closed on the way out)
+    assert [(e.name, e.closed) for e in started] == [("plain", True), ("selfspec hybrid", True)]
+    result = json.loads((tmp_path / "hybrid.json").read_text())
+    assert result["partial"] is True
+    assert [(r["rep"], r["method"]) for r in result["runs"]] == [(0, "plain"),
+                                                                 (0, "selfspec hybrid")]
+
+
+def test_sigterm_unwinds_like_ctrl_c():
+    import os
+    import signal
+
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        run._exit_on_sigterm()
+        with pytest.raises(KeyboardInterrupt, match="signal 15"):
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(100):  # delivered at the next bytecode boundary
+                pass
+    finally:
+        signal.signal(signal.SIGTERM, before)
