@@ -332,7 +332,8 @@ def markdown_preamble(result: Mapping[str, Any], title: str, setup: str,
         lines += ["**Partial results (the run was still going or was interrupted).**", ""]
     lines += [
         f"Run {result['started_utc']} .. {result['finished_utc']} ({result['duration_s']:.0f} s) "
-        f"on {host['cpus']} CPUs ({host.get('vllm', '?')}, torch {host.get('torch', '?')}). "
+        f"on {host['cpus']} CPUs" + (f" of {host['cpu']}" if host.get("cpu") else "")
+        + f" ({host.get('vllm', '?')}, torch {host.get('torch', '?')}). "
         + setup,
         "",
     ]

@@ -447,9 +447,9 @@ def _utc(t: float) -> str:
 
 
 def _host() -> dict[str, Any]:
-    from benchmarks.run import _versions
+    from benchmarks.run import _versions, cpu_description
 
-    return {"platform": platform.platform(), "cpus": os.cpu_count(),
+    return {"platform": platform.platform(), "cpus": os.cpu_count(), "cpu": cpu_description(),
             "python": sys.version.split()[0], **_versions()}
 
 

@@ -456,7 +456,7 @@ class OnlineRunner:
                  f"load {rec['load'][0]:.2f}{' ERROR ' + rec['error'] if 'error' in rec else ''}")
 
     def write(self, partial: bool) -> dict[str, Any]:
-        from benchmarks.run import _utc, _versions
+        from benchmarks.run import _utc, _versions, cpu_description
 
         loads = [x["loadavg"][0] for x in self.loads]
         result: dict[str, Any] = {
@@ -468,7 +468,8 @@ class OnlineRunner:
             "plan": online_plan(self.suite),
             "client": "vllm bench serve (vllm.entrypoints.cli.main), --dataset-name custom",
             "host": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                     "python": sys.version.split()[0], **_versions()},
+                     "cpu": cpu_description(), "python": sys.version.split()[0],
+                     **_versions()},
             "loadavg_samples": self.loads,
             "loadavg_1min": {"min": min(loads), "max": max(loads),
                              "median": sorted(loads)[len(loads) // 2]} if loads else None,

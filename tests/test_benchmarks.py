@@ -756,3 +756,18 @@ def test_sigterm_unwinds_like_ctrl_c():
                 pass
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+def test_results_name_the_cpu_they_ran_on():
+    info = ("processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse avx avx2 fma\n\n"
+            "processor\t: 1\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse avx avx2 fma\n")
+    assert run.cpu_description(info) == "AMD EPYC (avx2)"
+    info = "model name : Intel Xeon\nflags : avx2 avx512f avx512_bf16 amx_tile\n"
+    assert run.cpu_description(info) == "Intel Xeon (avx2, avx512f, avx512_bf16, amx_tile)"
+    assert run.cpu_description("flags : avx2\n") is None  # no model name: say nothing
+    result = {"suite": "s", "started_utc": "a", "finished_utc": "b", "duration_s": 1.0,
+              "host": {"cpus": 2, "cpu": "AMD EPYC (avx2)", "vllm": "0.32.0", "torch": "t"}}
+    assert "on 2 CPUs of AMD EPYC (avx2) (0.32.0" in analysis.markdown_preamble(
+        result, "", "", "")[2]
+    del result["host"]["cpu"]  # results written before the field existed
+    assert "on 2 CPUs (0.32.0" in analysis.markdown_preamble(result, "", "", "")[2]
