@@ -33,7 +33,6 @@ import argparse
 import datetime as dt
 import json
 import os
-import platform
 import re
 import statistics
 import sys
@@ -253,11 +252,12 @@ def _engine_facts(llm: Any) -> dict[str, Any]:
 
 def run(p: dict[str, Any], out_dir: Path, log=print) -> dict[str, Any]:
     from benchmarks.engines import VllmEngine, counter_delta
+    from benchmarks.run import host_info
 
     model, prompts, datasets = _model_and_prompts(p)
     doc: dict[str, Any] = {
         "suite": NAME, "plan": p, "partial": True,
-        "started_utc": _utc(time.time()), "host": _host(),
+        "started_utc": _utc(time.time()), "host": host_info(),
         "datasets_per_prompt": datasets, "engines": [], "runs": [], "loadavg_samples": [],
     }
     t0 = time.time()
@@ -444,13 +444,6 @@ def render_markdown(doc: Mapping[str, Any]) -> str:
 
 def _utc(t: float) -> str:
     return dt.datetime.fromtimestamp(t, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
-
-
-def _host() -> dict[str, Any]:
-    from benchmarks.run import _versions, cpu_description
-
-    return {"platform": platform.platform(), "cpus": os.cpu_count(), "cpu": cpu_description(),
-            "python": sys.version.split()[0], **_versions()}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

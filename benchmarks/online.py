@@ -27,7 +27,6 @@ import dataclasses
 import json
 import math
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -456,7 +455,7 @@ class OnlineRunner:
                  f"load {rec['load'][0]:.2f}{' ERROR ' + rec['error'] if 'error' in rec else ''}")
 
     def write(self, partial: bool) -> dict[str, Any]:
-        from benchmarks.run import _utc, _versions, cpu_description
+        from benchmarks.run import _utc, host_info
 
         loads = [x["loadavg"][0] for x in self.loads]
         result: dict[str, Any] = {
@@ -467,9 +466,7 @@ class OnlineRunner:
             "duration_s": round(time.time() - self.started, 1),
             "plan": online_plan(self.suite),
             "client": "vllm bench serve (vllm.entrypoints.cli.main), --dataset-name custom",
-            "host": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                     "cpu": cpu_description(), "python": sys.version.split()[0],
-                     **_versions()},
+            "host": host_info(),
             "loadavg_samples": self.loads,
             "loadavg_1min": {"min": min(loads), "max": max(loads),
                              "median": sorted(loads)[len(loads) // 2]} if loads else None,

@@ -640,9 +640,7 @@ class Runner:
             "finished_utc": _utc(time.time()),
             "duration_s": round(time.time() - self.started, 1),
             "plan": plan(self.suite),
-            "host": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                     "cpu": cpu_description(),
-                     "python": sys.version.split()[0], **_versions()},
+            "host": host_info(),
             "loadavg_samples": self.loads,
             "loadavg_1min": {"min": min(loads), "max": max(loads),
                              "median": sorted(loads)[len(loads) // 2]} if loads else None,
@@ -773,6 +771,13 @@ def cpu_description(cpuinfo: str | None = None) -> str | None:
         return None
     isa = [f for f in CPU_ISA_FLAGS if f in flags]
     return f"{model} ({', '.join(isa) or 'no avx2'})"
+
+
+def host_info() -> dict[str, Any]:
+    """The ``host`` record every suite's result carries (this runner's, ``online``'s,
+    ``bf16_agreement``'s): platform, core count, CPU, Python and package versions."""
+    return {"platform": platform.platform(), "cpus": os.cpu_count(), "cpu": cpu_description(),
+            "python": sys.version.split()[0], **_versions()}
 
 
 def _versions() -> dict[str, str]:
