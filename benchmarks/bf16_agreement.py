@@ -30,7 +30,6 @@ Writes ``benchmarks/results/bf16-agreement.{json,md}`` (``--out-dir``).
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 import re
@@ -42,6 +41,8 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from benchmarks.run import _utc, host_info
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 NAME = "bf16-agreement"
@@ -252,7 +253,6 @@ def _engine_facts(llm: Any) -> dict[str, Any]:
 
 def run(p: dict[str, Any], out_dir: Path, log=print) -> dict[str, Any]:
     from benchmarks.engines import VllmEngine, counter_delta
-    from benchmarks.run import host_info
 
     model, prompts, datasets = _model_and_prompts(p)
     doc: dict[str, Any] = {
@@ -441,10 +441,6 @@ def render_markdown(doc: Mapping[str, Any]) -> str:
 
 
 # ------------------------------------------------------------------------------------- misc
-
-def _utc(t: float) -> str:
-    return dt.datetime.fromtimestamp(t, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
-
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.bf16_agreement",

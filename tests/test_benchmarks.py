@@ -330,6 +330,10 @@ def test_new_requests_start_from_the_engine_wide_acceptance():
     for _ in range(10):
         ctl2.observe_verification("a", drafted=4, accepted=4)
     assert ctl2.engine_acceptance() > 0.95
+    assert ctl2.plan(["fresh"]) == [1]  # the ramp: nothing measured yet
+    from vllm_selfspec.control.step_costs import StepCosts
+
+    ctl2.set_step_costs(StepCosts(verify={(1, float(x)): 1.0 for x in range(5)}, draft={1: 0.5}))
     assert ctl2.plan(["fresh"]) == [4]
     # switched off, the old behaviour: every new request starts from prior_acceptance
     ctl3 = _ctl(engine_prior=False)

@@ -177,7 +177,9 @@ def test_drafting_turns_off_backs_off_and_comes_back() -> None:
         if k:
             break
     ctl.observe_verification("r", drafted=k, accepted=k)
-    assert ctl.plan(["r"])[0] > 2
+    assert ctl.plan(["r"]) == [1]  # nothing measured: the ramp's one draft
+    ctl.set_step_costs(StepCosts(verify={(1, 0.0): 1.0, (1, 1.0): 1.0}))
+    assert ctl.plan(["r"])[0] == 2  # twice what was measured
     assert not ctl._states["r"].off
 
 
@@ -457,6 +459,7 @@ def test_override_validation_ok() -> None:
 
 def test_overrides_in_plan() -> None:
     ctl = make()
+    ctl.set_step_costs(costs(0.5, batch=4))  # measured: the ramp does not bound these plans
     ov = {"off": {"num_speculative_tokens": 0},
           "cap": {"num_speculative_tokens": 1},
           "fixed": {"adaptive": False},
@@ -583,7 +586,25 @@ def test_new_batch_size_ramps_up_its_drafts() -> None:
     assert ctl.plan(ids) == [2] * 8  # twice what was measured
     ctl.set_step_costs(StepCosts(verify={**base, (8, 2.0): 1.0}, draft={1: 0.05, 8: 0.05}))
     assert ctl.plan(ids) == [4] * 8
-    assert make(k_max=4).plan(["fresh"])[0] >= 2  # nothing measured at all: no ramp
+    # nothing measured at all (the prior prices verification free): the ramp still holds
+    assert make(k_max=4).plan(["fresh"]) == [1]
+
+
+def test_ramp_holds_on_a_first_batch_of_32() -> None:
+    # an engine whose first batch is 32 requests: nothing measured, every request confident;
+    # the plan verifies at most one draft per request on average until verifications are measured
+    ctl = make(k_max=4, explore_interval=32)
+    ids = [f"r{i}" for i in range(32)]
+    for rid in ids:
+        for _ in range(10):
+            ctl.observe_verification(rid, drafted=4, accepted=4)
+    assert ctl.draft_limit(32) == 1.0
+    plan = ctl.plan(ids)  # the bucket's first plan measures a plain step
+    assert plan == [0] * 32
+    plan = ctl.plan(ids)
+    assert 0 < sum(plan) <= 32
+    ctl.set_step_costs(StepCosts(verify={(32, 0.0): 1.0, (32, 1.0): 1.1}))
+    assert ctl.draft_limit(32) == 2.0 and ctl.draft_limit(8) == 1.0
 
 
 def test_restart_acceptance_after_the_draft_changed() -> None:
@@ -746,7 +767,8 @@ def test_batch_plan_is_the_brute_force_argmax() -> None:
         n = int(rng.choice([1, 3, 8, 17, 32]))
         acc = rng.beta(4.0, 1.5, size=n)
         caps = rng.integers(1, ctl.config.k_max + 1, size=n)
-        x_limit = max(1.0, 2.0 * ctl.step_costs.measured_x(n))
+        x_limit = ctl.draft_limit(n)
+        assert x_limit == max(1.0, 2.0 * ctl.step_costs.measured_x(n))
         plan = ctl._batch_plan(n, acc, caps, fixed=[]).tolist()
         assert plan == _batch_plan_brute_force(ctl, n, acc, caps, x_limit)
 

@@ -36,8 +36,9 @@ Two mechanisms, both per request:
    would follow the noise of the measured costs (prompt-lookup drafts, which cost verification
    only, keep 5%: :data:`vllm_selfspec.control.source_choice.LOOKUP_MIN_GAIN`; docs/design.md
    gives the measurements behind both). A plan verifies at most twice the draft tokens
-   per request measured so far at its batch size (at least one): a new batch size is learnt
-   from cheap steps before a costly one is risked on costs borrowed from another size.
+   per request measured so far at its batch size (at least one, also before anything has been
+   measured; :meth:`DraftLengthController.draft_limit`): a new batch size is learnt from cheap
+   steps before a costly one is risked on costs borrowed from another size or on the prior.
    A request whose drafts do not pay even when it is alone (``B = 1`` costs) is "off": it drafts
    nothing and is re-probed with a small budget every ``probe_interval`` of its steps, the
    interval doubling (up to ``max_probe_interval``) while probes keep failing, and never more often
@@ -549,6 +550,16 @@ class DraftLengthController:
         return self._memo(("verify", bucket(batch_size), float(k)), lambda: float(
             c.verify_cost(batch_size, float(k))) / c.plain_cost(batch_size))
 
+    def draft_limit(self, batch_size: int) -> float:
+        """Most draft tokens per request a step of ``batch_size`` may verify, layer-skip and
+        lookup drafts alike: twice the most measured in its bucket, at least 1 (the ramp, rule
+        2). A new batch size learns its verification cost from cheap steps before a costly one
+        is risked on costs borrowed from another size or on the prior, which prices verification
+        free: an engine whose first batch was 32 requests drafted 4 tokens each on it while its
+        first cost samples came in, and on a CPU (Qwen2.5-Coder-0.5B, 2 cores) every such step
+        took ~9 plain steps (verifying 4 drafts per request ~4.9, each draft forward ~1)."""
+        return max(1.0, 2.0 * self._costs.measured_x(batch_size))
+
     def _standalone_lengths(self, acceptances: np.ndarray, caps: np.ndarray) -> np.ndarray:
         """Per request, the best ``k`` if it were alone: measured batch-size-1 costs, else the
         prior (free verification, a draft forward of ``prior_cost_ratio``); 0: drafting off.
@@ -615,11 +626,7 @@ class DraftLengthController:
         base_time = step_time(np.array([fixed_extra]), [np.array([fixed_rows[j]])
                                                         for j in range(1, depth + 1)])[0]
         best_rate = base_rate = (b + fixed_gain) / base_time
-        # ramp: at most twice the drafts per request measured at this batch size (at least 1),
-        # so a new batch size learns its verification cost from cheap steps first
-        # (with nothing measured yet there is nothing to protect: the first steps measure)
-        measured = self._costs
-        x_limit = max(1.0, 2.0 * measured.measured_x(batch_size)) if measured else math.inf
+        x_limit = self.draft_limit(batch_size)
         best = (0, 0)
         # row cap_k - 1, column m: the best m candidates drafting with the common cap cap_k
         # (every cap priced in one pass over the cost curves)

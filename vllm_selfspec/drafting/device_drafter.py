@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from typing import Any
 
@@ -503,11 +504,14 @@ class SelfSpecDeviceProposer(DraftModelProposer):
             if hybrid
             else []
         )
+        # hybrid: the controller's ramp bounds lookups as it bounds layer-skip plans (lookup
+        # alone drafts every lookup found, as vLLM's ngram does)
+        ramp = int(self.controller.draft_limit(batch) + 1e-9) if hybrid else self.k_max
         chosen = {}
         landing: dict[str, list[float]] = {}  # hybrid: each chosen lookup's landing probabilities
         for req_id, budget in zip(req_ids, budgets, strict=True):
             tokens = found.get(req_id)
-            cap = min(self.controller.request_cap(req_id), k_limit, self.k_max)
+            cap = min(self.controller.request_cap(req_id), k_limit, self.k_max, ramp)
             if not tokens or cap <= 0:
                 continue
             tokens = tokens[:cap]
@@ -527,6 +531,14 @@ class SelfSpecDeviceProposer(DraftModelProposer):
         if hybrid and chosen:
             chosen = self._lookups_paying_the_step(req_ids, budgets, chosen, landing, draft_cost)
         return chosen
+
+    def _verify_price(self, batch: int, x: float) -> float:
+        """A step verifying ``x`` draft tokens per request, in plain steps; beyond the
+        controller's ramp (:meth:`~vllm_selfspec.control.controller.DraftLengthController.
+        draft_limit`) infinite, so that lookups are bounded as layer-skip plans are."""
+        if x > self.controller.draft_limit(batch) + 1e-9:
+            return math.inf
+        return self.controller.verify_cost_ratio(batch, x)
 
     def _lookups_paying_the_step(
         self,
@@ -565,7 +577,7 @@ class SelfSpecDeviceProposer(DraftModelProposer):
             batch_size=batch,
             lookups=[landing[r] for r in weighed],
             others=others,
-            verify_cost=lambda x: self.controller.verify_cost_ratio(batch, x),
+            verify_cost=lambda x: self._verify_price(batch, x),
             draft_cost=draft_cost,
             min_gain=LOOKUP_MIN_GAIN,
         )
