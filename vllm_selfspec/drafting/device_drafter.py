@@ -504,14 +504,11 @@ class SelfSpecDeviceProposer(DraftModelProposer):
             if hybrid
             else []
         )
-        # hybrid: the controller's ramp bounds lookups as it bounds layer-skip plans (lookup
-        # alone drafts every lookup found, as vLLM's ngram does)
-        ramp = int(self.controller.draft_limit(batch) + 1e-9) if hybrid else self.k_max
         chosen = {}
         landing: dict[str, list[float]] = {}  # hybrid: each chosen lookup's landing probabilities
         for req_id, budget in zip(req_ids, budgets, strict=True):
             tokens = found.get(req_id)
-            cap = min(self.controller.request_cap(req_id), k_limit, self.k_max, ramp)
+            cap = min(self.controller.request_cap(req_id), k_limit, self.k_max)
             if not tokens or cap <= 0:
                 continue
             tokens = tokens[:cap]
@@ -535,7 +532,12 @@ class SelfSpecDeviceProposer(DraftModelProposer):
     def _verify_price(self, batch: int, x: float) -> float:
         """A step verifying ``x`` draft tokens per request, in plain steps; beyond the
         controller's ramp (:meth:`~vllm_selfspec.control.controller.DraftLengthController.
-        draft_limit`) infinite, so that lookups are bounded as layer-skip plans are."""
+        draft_limit`) infinite, so that the lookups weighed for the step are bounded as
+        layer-skip plans are. The bound is on the step's draft tokens per request, not on each
+        lookup: where few requests find a lookup, the step's ``x`` (and so the ramp) stays
+        small, and a per-lookup cap of the ramp's 1 token would never have grown (a test
+        batch larger than its cost table's buckets drafted 2% of its tokens by lookup, over 5%
+        before)."""
         if x > self.controller.draft_limit(batch) + 1e-9:
             return math.inf
         return self.controller.verify_cost_ratio(batch, x)
