@@ -558,7 +558,9 @@ class DraftLengthController:
         free: an engine whose first batch was 32 requests drafted 4 tokens each on it while its
         first cost samples came in, and on a CPU (Qwen2.5-Coder-0.5B, 2 cores) every such step
         took ~9 plain steps (verifying 4 drafts per request ~4.9, each draft forward ~1)."""
-        return max(1.0, 2.0 * self._costs.measured_x(batch_size))
+        # asked once per lookup token a step weighs: kept per table like the prices
+        return self._memo(("limit", bucket(batch_size)),
+                          lambda: max(1.0, 2.0 * self._costs.measured_x(batch_size)))
 
     def _standalone_lengths(self, acceptances: np.ndarray, caps: np.ndarray) -> np.ndarray:
         """Per request, the best ``k`` if it were alone: measured batch-size-1 costs, else the
