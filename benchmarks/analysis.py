@@ -333,7 +333,8 @@ def markdown_preamble(result: Mapping[str, Any], title: str, setup: str,
     lines += [
         f"Run {result['started_utc']} .. {result['finished_utc']} ({result['duration_s']:.0f} s) "
         f"on {host['cpus']} CPUs" + (f" of {host['cpu']}" if host.get("cpu") else "")
-        + f" ({host.get('vllm', '?')}, torch {host.get('torch', '?')}). "
+        + f" ({host.get('vllm', '?')}, torch {host.get('torch', '?')}"
+        + (f", code {host['commit']}" if host.get("commit") else "") + "). "
         + setup,
         "",
     ]

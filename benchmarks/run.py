@@ -33,6 +33,7 @@ import json
 import os
 import platform
 import signal
+import subprocess
 import sys
 import time
 import traceback
@@ -775,9 +776,28 @@ def cpu_description(cpuinfo: str | None = None) -> str | None:
 
 def host_info() -> dict[str, Any]:
     """The ``host`` record every suite's result carries (this runner's, ``online``'s,
-    ``bf16_agreement``'s): platform, core count, CPU, Python and package versions."""
+    ``bf16_agreement``'s): platform, core count, CPU, Python and package versions, and the
+    code's commit."""
     return {"platform": platform.platform(), "cpus": os.cpu_count(), "cpu": cpu_description(),
-            "python": sys.version.split()[0], **_versions()}
+            "python": sys.version.split()[0], **_versions(), "commit": code_commit()}
+
+
+def code_commit(repo: Path | None = None) -> str | None:
+    """The checkout's commit, ``+`` appended where tracked files differ from it: results of
+    different code are told apart (``benchmarks.grid`` mixes runs of several days). None
+    outside a git checkout. ``repo``: default, the checkout this runner is in."""
+    repo = repo or Path(__file__).resolve().parents[1]
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True,
+                              check=True, timeout=30).stdout.strip()
+
+    try:
+        head = git("rev-parse", "--short=12", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("+" if dirty else "")
 
 
 def _versions() -> dict[str, str]:

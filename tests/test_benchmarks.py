@@ -775,3 +775,21 @@ def test_results_name_the_cpu_they_ran_on():
         result, "", "", "")[2]
     del result["host"]["cpu"]  # results written before the field existed
     assert "on 2 CPUs (0.32.0" in analysis.markdown_preamble(result, "", "", "")[2]
+
+
+def test_results_name_the_code_they_ran(tmp_path):
+    assert run.code_commit(tmp_path) is None  # not a git checkout: say nothing
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / "f.txt").write_text("a")
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "add", "f.txt"], check=True)
+    subprocess.run([*git, "commit", "-qm", "c"], check=True)
+    head = subprocess.run([*git, "rev-parse", "--short=12", "HEAD"], check=True,
+                          capture_output=True, text=True).stdout.strip()
+    assert run.code_commit(tmp_path) == head
+    (tmp_path / "f.txt").write_text("b")  # a tracked file changed: not that commit's code
+    assert run.code_commit(tmp_path) == head + "+"
+    (tmp_path / "new.txt").write_text("c")  # untracked files do not count
+    (tmp_path / "f.txt").write_text("a")
+    assert run.code_commit(tmp_path) == head
+    assert "commit" in run.host_info()
