@@ -82,13 +82,14 @@ def _sampled_rows(sample_mask: np.ndarray, device: torch.device) -> torch.Tensor
 def _install_temperature_fault(drafter: Any) -> None:
     original = drafter._pick_tokens
 
-    def pick_tokens(logits, temperatures, sample_mask):
-        right = original(logits, temperatures, sample_mask)
+    def pick_tokens(logits, temperatures, sample_mask, *truncation):
+        right = original(logits, temperatures, sample_mask, *truncation)
         probs = right[2]
         if probs is None:  # no sampled row: nothing to break
             return right
         # Draw at temperature 1.0, report the distribution at the request's temperature.
-        tokens, confidence, _ = original(logits, np.ones_like(temperatures), sample_mask)
+        tokens, confidence, _ = original(logits, np.ones_like(temperatures), sample_mask,
+                                         *truncation)
         drafter._fault_hits += int(sample_mask.sum())
         return tokens, confidence, probs
 
@@ -112,8 +113,8 @@ def _install_full_model_fault(drafter: Any) -> None:
             drafter.skip_attention, drafter.skip_mlp = skip_attention, skip_mlp
         return draft_logits
 
-    def pick_tokens(logits, temperatures, sample_mask):
-        tokens, confidence, probs = original_pick(logits, temperatures, sample_mask)
+    def pick_tokens(logits, temperatures, sample_mask, *truncation):
+        tokens, confidence, probs = original_pick(logits, temperatures, sample_mask, *truncation)
         if probs is not None:
             temps = torch.from_numpy(np.where(sample_mask, temperatures, 1.0)).to(probs.device)
             full = drafter._fault_full_logits.float() / temps.unsqueeze(-1)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.engine_utils import drafter_stats, engine, token_ids
+from tests.engine_utils import MetricsWindow, drafter_stats, engine, token_ids
 
 pytestmark = pytest.mark.engine
 
@@ -157,7 +157,17 @@ def test_mixed_greedy_and_sampled_with_ragged_caps(spec_llm, workloads, referenc
 
 
 def test_top_k_only_sampling(spec_llm, workloads, reference):
+    """top_k=1 at temperature 1 samples the argmax: the output is greedy's. The drafts are
+    sampled from the request's truncated distribution too, so they are the draft's argmax, and
+    exactly the drafts of the same request run greedy are drafted and accepted. (The host
+    drafter drew them from the whole T=1 distribution before: fewer were accepted.)"""
+    greedy = MetricsWindow(spec_llm)
+    assert _generate(spec_llm, workloads["mixed"][:1]) == reference["mixed"][:1]
+    greedy_counts = greedy.delta()
+    assert greedy_counts["num_accepted_tokens"] > 0, greedy_counts
+    sampled = MetricsWindow(spec_llm)
     assert _generate(spec_llm, workloads["top_k"]) == [reference["mixed"][0]]
+    assert sampled.delta() == greedy_counts
 
 
 def test_offline_llm_exports_plugin_metrics(spec_llm, reference):

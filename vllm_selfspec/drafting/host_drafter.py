@@ -259,6 +259,7 @@ class SelfSpecProposer:
         tokens = np.asarray([sampled[row][-1] for row in rows], dtype=np.int64)
         temperatures = self.runner_view.temperature_cpu[rows_np].astype(np.float32)
         sample_mask = (temperatures > 0) if self.probabilistic else np.zeros(len(rows), bool)
+        top_k, top_p = self.runner_view.top_k_top_p(rows_np) if sample_mask.any() else (None, None)
         alive = np.ones(len(rows), dtype=bool)
         max_k = int(budgets_np.max())
         probs_buffer = None
@@ -277,7 +278,8 @@ class SelfSpecProposer:
             logits = self._draft_forward(rows_np[active], positions, tokens[active], step)
             forwards += 1
             next_tokens, confidence, probs = self._pick_tokens(
-                logits, temperatures[active], sample_mask[active]
+                logits, temperatures[active], sample_mask[active],
+                None if top_k is None else top_k[active], None if top_p is None else top_p[active],
             )
             next_np = next_tokens.cpu().numpy()  # waits for the device: the timing is complete
             conf_np = confidence.cpu().numpy()
@@ -342,13 +344,22 @@ class SelfSpecProposer:
         )
 
     def _pick_tokens(
-        self, logits: torch.Tensor, temperatures: np.ndarray, sample_mask: np.ndarray
+        self,
+        logits: torch.Tensor,
+        temperatures: np.ndarray,
+        sample_mask: np.ndarray,
+        top_k: np.ndarray | None = None,
+        top_p: np.ndarray | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Draft tokens, their draft probability (confidence), and the draft distributions.
 
         Greedy rows (and all rows with ``draft_sampling="argmax"``) take the argmax. Rows with
-        temperature > 0 sample from ``q = softmax(logits / T)``; vLLM's rejection sampler then gets
-        ``q`` and keeps the output distribution exactly the target's.
+        temperature > 0 sample from ``q``: the distribution their request samples from,
+        ``softmax(logits / T)`` truncated to its top-k / top-p as vLLM's sampler truncates it
+        (``top_k`` / ``top_p``: per row, None where no row sets them). vLLM's rejection sampler
+        then gets ``q`` and keeps the output distribution exactly the target's. (Drawn from the
+        untruncated distribution, a request with top-k or top-p, e.g. every request to a model
+        whose generation config sets them, drafted tokens its target never emits.)
         """
         logits = logits.float()
         if not sample_mask.any():
@@ -356,7 +367,10 @@ class SelfSpecProposer:
             confidence, tokens = probs.max(dim=-1)
             return tokens, confidence, None
         temps = torch.from_numpy(np.where(sample_mask, temperatures, 1.0)).to(logits.device)
-        probs = torch.softmax(logits / temps.unsqueeze(-1), dim=-1)
+        scaled = logits / temps.unsqueeze(-1)
+        if top_k is not None or top_p is not None:
+            scaled = _truncate(scaled, top_k, top_p)
+        probs = torch.softmax(scaled, dim=-1)
         greedy_tokens = probs.argmax(dim=-1)
         # Exponential-race sampling: argmax(q / E) with E ~ Exp(1) draws from q.
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
@@ -409,6 +423,19 @@ class SelfSpecProposer:
             "k_max": self.k_max,
             "online": self.online.stats() if self.online is not None else None,
         }
+
+
+def _truncate(
+    scaled: torch.Tensor, top_k: np.ndarray | None, top_p: np.ndarray | None
+) -> torch.Tensor:
+    """vLLM's own top-k / top-p truncation of temperature-scaled logits (what its sampler
+    applies), masked entries ``-inf``."""
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+
+    device = scaled.device
+    k = None if top_k is None else torch.from_numpy(np.asarray(top_k, np.int32)).to(device)
+    p = None if top_p is None else torch.from_numpy(np.asarray(top_p, np.float32)).to(device)
+    return apply_top_k_top_p(scaled, k, p)
 
 
 def _fmt(value: Any) -> str:

@@ -63,6 +63,16 @@ class RunnerView:
     def temperature_cpu(self) -> np.ndarray:
         return self._batch.temperature_cpu
 
+    def top_k_top_p(self, rows: np.ndarray) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """The top-k and top-p of ``rows``' requests (vLLM's sampler truncates their
+        temperature-scaled distribution to these); each None where no request of the batch sets
+        it, as vLLM's sampling metadata has it. A row without top-k holds the vocabulary size,
+        one without top-p 1.0."""
+        batch = self._batch
+        top_k = None if batch.no_top_k else batch.top_k_cpu[rows]
+        top_p = None if batch.no_top_p else batch.top_p_cpu[rows]
+        return top_k, top_p
+
     @property
     def spec_token_ids(self) -> list[list[int]]:
         """Per row, the draft tokens this step verified (negative entries are padding)."""
