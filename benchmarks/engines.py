@@ -169,11 +169,11 @@ class VllmEngine:
         return None if cfg is None else int(cfg.num_speculative_tokens)
 
     def generate(self, prompts: Sequence[str], temperature: float, max_tokens: int,
-                 batch: int) -> tuple[list[list[int]], float]:
+                 batch: int, top_k: int = 0, top_p: float = 1.0) -> tuple[list[list[int]], float]:
         from vllm import SamplingParams
 
-        params = SamplingParams(temperature=temperature, max_tokens=max_tokens,
-                                extra_args=self.request_args)
+        params = SamplingParams(temperature=temperature, max_tokens=max_tokens, top_k=top_k,
+                                top_p=top_p, extra_args=self.request_args)
         outputs: list[list[int]] = []
         t0 = time.perf_counter()
         for i in range(0, len(prompts), batch):
@@ -235,14 +235,14 @@ class HfEngine:
     k = None
 
     def generate(self, prompts: Sequence[str], temperature: float, max_tokens: int,
-                 batch: int) -> tuple[list[list[int]], float]:
+                 batch: int, top_k: int = 0, top_p: float = 1.0) -> tuple[list[list[int]], float]:
         if batch != 1:
             raise ValueError("HF assisted generation runs at batch 1 only")
         torch = self._torch
         outputs: list[list[int]] = []
         kw: dict[str, Any] = {"max_new_tokens": max_tokens}
         if temperature > 0:
-            kw.update(do_sample=True, temperature=temperature, top_p=1.0, top_k=0)
+            kw.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k)
         else:
             kw.update(do_sample=False)
         if self.early_exit:

@@ -37,7 +37,7 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -91,6 +91,8 @@ class Suite:
     reps: int = 3
     max_tokens: int = 40
     batch1_prompts: int = 2  # prompts run one after another at batch 1
+    top_k: int = 0  # sampled cells: every request's top-k (0: none) and top-p (1.0: none), as
+    top_p: float = 1.0  # a model's generation config sets them for every request it serves
     time_budget_s: float = 1800.0
     note: str = ""
     compile: bool = False  # vLLM's default mode (torch.compile) instead of enforce_eager
@@ -425,6 +427,8 @@ def plan(suite: Suite) -> dict[str, Any]:
         "reps": suite.reps,
         "max_tokens": suite.max_tokens,
         "batch1_prompts": suite.batch1_prompts,
+        "top_k": suite.top_k,
+        "top_p": suite.top_p,
         "time_budget_s": suite.time_budget_s,
         "k": K,
         "compile": suite.compile,
@@ -590,8 +594,10 @@ class Runner:
             stats_before = eng.drafter_stats()
             itl_before = eng.inter_token_latency() if m.name == "plain" else None
             try:
+                truncation = ({"top_k": suite.top_k, "top_p": suite.top_p}
+                              if cell["temperature"] > 0 else {})
                 outputs, seconds = eng.generate(chosen, cell["temperature"], suite.max_tokens,
-                                                batch)
+                                                batch, **truncation)
             except Exception as exc:
                 self.records.append({"cell": self._cell(cell, group), "method": m.name,
                                      "rep": rep, "group": gi, "error": _error_text(exc)})
@@ -668,6 +674,14 @@ def write_result(result: dict[str, Any], base: Path, plots: bool = True,
             log(f"plots failed: {exc}")
 
 
+def _truncation_text(plan: Mapping[str, Any]) -> str:
+    """The sampled cells' top-k / top-p, where the run set them."""
+    parts = [f"top-k {plan['top_k']}" if plan.get("top_k") else "",
+             f"top-p {plan['top_p']:g}" if plan.get("top_p", 1.0) < 1.0 else ""]
+    parts = [x for x in parts if x]
+    return f"sampled cells with {' and '.join(parts)}; " if parts else ""
+
+
 def render_markdown(result: dict[str, Any]) -> str:
     p = result["plan"]
     mode = ("compiled (vLLM's default mode; the host drafter's drafts eager, the device "
@@ -676,7 +690,7 @@ def render_markdown(result: dict[str, Any]) -> str:
         result, "",
         f"{p['max_tokens']} new tokens per prompt, {p['batch1_prompts']} prompts one after "
         f"another at batch 1, one batch of B prompts otherwise; k = {p['k']}; fp32, "
-        f"{mode}; "
+        f"{mode}; " + _truncation_text(p) +
         f"up to {p['reps']} interleaved repetitions per cell (column `runs`).",
         "2 cores, other engines running")
     rows = result["summary"]
@@ -835,6 +849,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch1-prompts", type=int,
                    help="prompts run one after another in each batch-1 cell (default: the "
                         "suite's, 2); more narrow the spread of sampled batch-1 cells")
+    p.add_argument("--top-k", type=int,
+                   help="sampled cells: every request's top-k (as a generation config sets it)")
+    p.add_argument("--top-p", type=float,
+                   help="sampled cells: every request's top-p (as a generation config sets it)")
     p.add_argument("--methods", type=lambda s: s.split(","),
                    help="only these method names (plain always runs)")
     p.add_argument("--time-budget-min", type=float,
@@ -854,6 +872,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be > 0")
     if args.batches is not None and any(b < 1 for b in args.batches):
         p.error("--batches must be >= 1")
+    if args.top_k is not None and args.top_k < 1:
+        p.error("--top-k must be >= 1")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        p.error("--top-p must be in (0, 1]")
     if args.rates is not None and any(not r > 0 for r in args.rates):
         p.error("--rates must be > 0 (inf for all requests at once)")
     return args
@@ -877,6 +899,10 @@ def configure(args: argparse.Namespace) -> Suite:
         suite.batch1_prompts = args.batch1_prompts
     if args.compile:
         suite.compile = True
+    if args.top_k:
+        suite.top_k = args.top_k
+    if args.top_p is not None:
+        suite.top_p = args.top_p
     if args.model:
         if not suite.any_model:
             raise SystemExit(f"--model: the {suite.name} suite's skip sets are SmolLM2's; "

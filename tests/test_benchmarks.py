@@ -693,9 +693,11 @@ class _FakeEngine:
         self.closed = False
         self.calls = 0
         self.fail_on_generate = fail_on_generate
+        self.sampling: list[tuple[float, dict]] = []  # (temperature, top-k / top-p) per call
 
-    def generate(self, prompts, temperature, max_tokens, batch):
+    def generate(self, prompts, temperature, max_tokens, batch, **truncation):
         self.calls += 1
+        self.sampling.append((temperature, truncation))
         if self.calls == self.fail_on_generate:
             raise KeyboardInterrupt("signal 15")
         return [[1, 2, 3] for _ in prompts], 0.5
@@ -745,6 +747,34 @@ def test_an_interrupted_run_closes_every_engine_and_keeps_what_ran(tmp_path, mon
     assert result["partial"] is True
     assert [(r["rep"], r["method"]) for r in result["runs"]] == [(0, "plain"),
                                                                  (0, "selfspec hybrid")]
+
+
+def test_sampled_cells_take_the_runs_top_k_and_top_p(tmp_path, monkeypatch):
+    """--top-k / --top-p reach every engine's requests in the sampled cells (plain's too), not
+    the greedy ones', and the result says so."""
+    started: list[_FakeEngine] = []
+
+    def fake_start(self, method, model_dir, kind, sampler):
+        started.append(_FakeEngine(method.name))
+        return started[-1]
+
+    monkeypatch.setattr(run.Runner, "_start", fake_start)
+    monkeypatch.setattr(run, "resolve_model", lambda kind: f"/models/{kind}")
+    monkeypatch.setattr(run, "prompt_sets",
+                        lambda model_dir, datasets, n: {d: ["p"] * n for d in datasets})
+    rc = run.main(["--suite", "hybrid", "--methods", "selfspec hybrid", "--batches", "1",
+                   "--datasets", "humaneval", "--temperatures", "0,0.7", "--reps", "1",
+                   "--top-k", "20", "--top-p", "0.9", "--out-dir", str(tmp_path)])
+    assert rc == 0
+    for eng in started:
+        assert {(t, tuple(sorted(kw.items()))) for t, kw in eng.sampling if t > 0} == {
+            (0.7, (("top_k", 20), ("top_p", 0.9)))}, eng.name
+        assert all(not kw for t, kw in eng.sampling if t == 0), eng.name
+    result = json.loads((tmp_path / "hybrid.json").read_text())
+    assert (result["plan"]["top_k"], result["plan"]["top_p"]) == (20, 0.9)
+    assert "sampled cells with top-k 20 and top-p 0.9" in (tmp_path / "hybrid.md").read_text()
+    with pytest.raises(SystemExit):
+        run.parse_args(["--suite", "hybrid", "--top-p", "0"])
 
 
 def test_sigterm_unwinds_like_ctrl_c():
