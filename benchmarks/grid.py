@@ -175,10 +175,13 @@ def markdown(cells: Mapping[CellKey, Cell]) -> str:
         "rivals' runs, where not the hybrid's |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    missed = dict.fromkeys(("plain", "rivals", "batch1", "identical"), 0)
     for (model, dataset, temp, batch), cell in cells.items():
         if cell.hybrid is None:
             continue
         v = cell.verdicts()
+        for name, ok in v.items():
+            missed[name] += ok is False
         h = cell.hybrid
         rival_runs = sorted({m.source() for name, m in cell.methods.items()
                              if name in RIVALS and m.run != h.run})
@@ -189,8 +192,6 @@ def markdown(cells: Mapping[CellKey, Cell]) -> str:
             f"{_mark(v['plain'])} | {_mark(v['rivals'])} | {_mark(v['batch1'])} | "
             f"{_mark(v['identical'])} | {h.source()}{tokens} | "
             f"{'; '.join(rival_runs) or 'same run'} |")
-    missed = {name: sum(1 for c in cells.values() if c.hybrid and c.verdicts()[name] is False)
-              for name in ("plain", "rivals", "batch1", "identical")}
     lines += ["", "Cells missing a target: " + ", ".join(
         f"{name} {n}" for name, n in missed.items()) + "."]
     return "\n".join(lines) + "\n"
