@@ -437,6 +437,32 @@ def plan(suite: Suite) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------- run
 
+BUDGET_OVERRUN = 1.15
+"""A group starts another repetition while its projected end stays within this multiple of its
+share of the time budget."""
+
+
+def repetitions_in_budget(reps: int, elapsed_s: float, rep_s: float, share_s: float) -> int:
+    """How many of ``reps`` repetitions a group runs when its first ended ``elapsed_s`` after the
+    group started (engine starts and warm-up included) and each takes ``rep_s``: repetition ``r``
+    starts while ``elapsed_s + r * rep_s`` stays within ``BUDGET_OVERRUN`` x its share."""
+    room = share_s * BUDGET_OVERRUN - elapsed_s
+    return max(1, min(reps, 1 + int(room // rep_s) if rep_s > 0 else reps))
+
+
+def budget_warning(reps: int, elapsed_s: float, rep_s: float, share_s: float) -> str | None:
+    """After a group's first repetition: a warning if its share of the time budget will cut it
+    short of ``reps`` (the runner stops quietly otherwise, and the medians rest on fewer runs)."""
+    fits = repetitions_in_budget(reps, elapsed_s, rep_s, share_s)
+    if fits >= reps:
+        return None
+    need_min = (elapsed_s + (reps - 1) * rep_s) / BUDGET_OVERRUN / 60
+    return (f"the time budget fits about {fits} of the {reps} repetitions (the first took "
+            f"{rep_s:.0f} s, {elapsed_s:.0f} s with the engine starts; this group's share is "
+            f"{share_s / 60:.0f} min, {reps} repetitions need ~{need_min:.0f} min): pass a larger "
+            f"--time-budget-min")
+
+
 class Runner:
     def __init__(self, suite: Suite, out_dir: Path, deadline: float | None = None,
                  log=print) -> None:
@@ -528,7 +554,7 @@ class Runner:
                     now = time.time()
                     if rep > 0:
                         projected = now - g_start + (rep_times[-1] if rep_times else 0)
-                        if projected > share * 1.15 or (self.deadline and
+                        if projected > share * BUDGET_OVERRUN or (self.deadline and
                                                         now + rep_times[-1] > self.deadline):
                             self.log(f"[{suite.name}] group {gi}: time budget reached after "
                                      f"{rep} repetition(s)")
@@ -541,6 +567,11 @@ class Runner:
                     self._load(f"group {gi} rep {rep}")
                     self.log(f"[{suite.name}] group {gi} rep {rep} took {rep_times[-1]:.0f} s, "
                              f"load {os.getloadavg()[0]:.2f}")
+                    if rep == 0:
+                        warning = budget_warning(suite.reps, time.time() - g_start,
+                                                 rep_times[0], share)
+                        if warning:
+                            self.log(f"[{suite.name}] group {gi}: WARNING {warning}")
                 self._open = []
                 for _m, eng in engines:
                     self._close(eng, sampler)

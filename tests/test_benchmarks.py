@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -823,3 +824,53 @@ def test_results_name_the_code_they_ran(tmp_path):
     (tmp_path / "f.txt").write_text("a")
     assert run.code_commit(tmp_path) == head
     assert "commit" in run.host_info()
+
+
+@pytest.mark.parametrize("reps, elapsed, rep_s, share", [
+    (9, 120.0, 100.0, 600.0), (9, 120.0, 100.0, 2000.0), (5, 700.0, 50.0, 600.0),
+    (3, 10.0, 30.0, 80.0), (1, 5.0, 5.0, 1.0), (7, 0.0, 0.0, 10.0),
+])
+def test_repetitions_in_budget_follow_the_runners_stop_rule(reps, elapsed, rep_s, share):
+    # the rule of Runner.run: repetition r > 0 starts while the time since the group started
+    # plus the last repetition's time stays within BUDGET_OVERRUN x the group's share
+    ran, now = 1, elapsed
+    while ran < reps and now + rep_s <= share * run.BUDGET_OVERRUN:
+        ran, now = ran + 1, now + rep_s
+    assert run.repetitions_in_budget(reps, elapsed, rep_s, share) == ran
+    warning = run.budget_warning(reps, elapsed, rep_s, share)
+    assert (warning is None) == (ran == reps)
+    if warning:
+        assert f"fits about {ran} of the {reps} repetitions" in warning
+
+
+def test_a_budget_that_cuts_repetitions_is_reported_after_the_first(tmp_path, monkeypatch,
+                                                                     capsys):
+    import signal
+
+    class SlowEngine(_FakeEngine):
+        def generate(self, *args, **kwargs):
+            time.sleep(0.02)
+            return super().generate(*args, **kwargs)
+
+    monkeypatch.setattr(run.Runner, "_start", lambda self, m, *a: SlowEngine(m.name))
+    monkeypatch.setattr(run, "resolve_model", lambda kind: f"/models/{kind}")
+    monkeypatch.setattr(run, "prompt_sets",
+                        lambda model_dir, datasets, n: {d: ["p"] * n for d in datasets})
+    argv = ["--suite", "hybrid", "--methods", "selfspec hybrid", "--batches", "1",
+            "--datasets", "humaneval", "--temperatures", "0", "--reps", "4"]
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        # 0.06 s for the group; warm-up and repetition 0 alone take 4 x 0.02 s
+        assert run.main([*argv, "--time-budget-min", "0.001",
+                         "--out-dir", str(tmp_path / "a")]) == 0
+        out = capsys.readouterr()
+        text = out.out + out.err
+        assert "WARNING the time budget fits about 1 of the 4 repetitions" in text
+        assert "time budget reached after 1 repetition(s)" in text
+        assert run.main([*argv, "--time-budget-min", "10", "--out-dir", str(tmp_path / "b")]) == 0
+        out = capsys.readouterr()
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert "WARNING" not in out.out + out.err
+    runs = json.loads((tmp_path / "b" / "hybrid.json").read_text())["runs"]
+    assert sorted({r["rep"] for r in runs}) == [0, 1, 2, 3]
