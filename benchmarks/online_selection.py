@@ -3,8 +3,7 @@
     python -m benchmarks.online_selection              # SmolLM2-135M-Instruct, ~10 min on 2 cores
     python -m benchmarks.online_selection --dry-run    # print the plan, run nothing
     python -m benchmarks.online_selection --smoke      # tiny random model, seconds (tests)
-    python -m benchmarks.online_selection --drafter device --compile   # the device drafter, in
-                                                       # vLLM's default mode (every engine)
+    python -m benchmarks.online_selection --compile    # every engine in vLLM's default mode
 
 Three engines run the same sequence of request rounds (real prompts, HumanEval and MT-bench
 alternating, chat-templated; greedy; ``--batch`` prompts of up to ``--max-tokens`` tokens per
@@ -60,8 +59,8 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
     layers = 4 if args.smoke else 30
     start_attention, start_mlp = default_skip_set(layers)
     online = {**(SMOKE_ONLINE if args.smoke else BENCH_ONLINE), **(args.online_search or {})}
-    # the device drafter with the adaptive controller, as the host drafter drafts by default
-    drafter = {} if args.drafter == "host" else {"drafter": "device", "adaptive": True}
+    # layer-skip drafts only: the search is what this benchmark measures
+    drafter = {"drafts": "layer_skip"}
     methods: dict[str, dict[str, Any] | None] = {
         "plain": None,
         "online": {
@@ -88,7 +87,6 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
         "max_tokens": args.max_tokens,
         "temperature": 0.0,
         "k": args.k,
-        "drafter": args.drafter,
         "compiled": args.compile,
         "methods": methods,
         "prompts": "tiny-model token ids" if args.smoke else "humaneval + mtbench, alternating",
@@ -241,7 +239,7 @@ def render_markdown(doc: dict[str, Any], stem: str = NAME) -> str:
         f"# Online layer selection vs offline profile vs plain ({p['model']})",
         "",
         f"{p['rounds']} rounds x {p['batch']} prompts ({p['prompts']}), greedy, up to "
-        f"{p['max_tokens']} new tokens each, k={p['k']}; {p.get('drafter', 'host')} drafter; "
+        f"{p['max_tokens']} new tokens each, k={p['k']}; layer-skip drafts; "
         f"{'compiled' if p.get('compiled') else 'eager'} engines, one at a time on "
         f"{doc['host']['cpus']} CPUs. Online search knobs: "
         f"`{json.dumps(p['methods']['online']['online_search'])}`.",
@@ -323,8 +321,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--online-search", type=json.loads, default=None,
                     help="JSON object of online_search knobs (merged over the benchmark's)")
     ap.add_argument("--methods", type=lambda s: s.split(","), default=None)
-    ap.add_argument("--drafter", choices=("host", "device"), default="host",
-                    help="the selfspec drafter (device: with adaptive draft lengths)")
     ap.add_argument("--compile", action="store_true",
                     help="every engine in vLLM's default mode (compiled) instead of eager")
     ap.add_argument("--smoke", action="store_true", help="tiny random model, a few rounds")
@@ -366,8 +362,6 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"{NAME}-smoke" if args.smoke else NAME
-    if args.drafter != "host":
-        stem += f"-{args.drafter}"
     if args.compile:
         stem += "-compiled"
     (out / f"{stem}.json").write_text(json.dumps(doc, indent=1) + "\n")

@@ -210,95 +210,64 @@ def build_suite(name: str) -> Suite:
         # 40 min: with 18 the slow-starting group (a) got a single repetition (2026-12-03)
         return Suite(name=name, groups=groups, datasets=["mixed"], temperatures=[0.0],
                      time_budget_s=2400.0)
-    if name == "sync-floor":
-        # vLLM turns async scheduling off for custom-class proposers (selfspec among them):
-        # plain vLLM with it off is the floor of a selfspec engine that drafts nothing. Group (b)
-        # of no-harm, where the controller stops drafting.
-        good, good_label = good_skip_set()
-        return Suite(
-            name=name,
-            groups=[Group("smollm2", [
-                Method("controller on", spec=_selfspec(True, **good)),
-                Method("plain, sync scheduling", engine_args={"async_scheduling": False}),
-            ], label=f"(b) good: {good_label}")],
-            datasets=["mixed"], temperatures=[0.0], batches=[8, 32], reps=5,
-            time_budget_s=900.0,
-        )
-    if name == "drafter-v2":
-        # The device drafter ("drafter": "device") against the host drafter, fixed k both, in
-        # vLLM's default mode (--compile): free drafts (zero-output layers, acceptance 1) and
-        # SmolLM2 with its shipped profile. One drafter per group: idle vLLM CPU engines
-        # busy-poll, so only plain and one drafter are alive at a time.
-        models = {"zero": "zero-output layers (every draft exact)",
-                  "smollm2": "SmolLM2, its shipped profile"}
-        groups = [
-            Group(model, [Method(f"selfspec {label} fixed k", spec=_selfspec(False, **extra))],
-                  label=models[model])
-            for model in models  # zero: engine_spec sets the inserted layers
-            for label, extra in (("device", {"drafter": "device"}), ("host", {}))
-        ]
-        return Suite(name=name, groups=groups, datasets=["mixed"], temperatures=[0.0],
-                     batches=[1, 8], reps=3, max_tokens=32, time_budget_s=2400.0, compile=True,
-                     note="fixed k = 4; zero: SmolLM2 with 30 zero-output layers inserted "
-                          "(every draft accepted); smollm2: its shipped profile")
-    if name == "device-adaptive":
-        # The device drafter with the adaptive controller ("adaptive": true) beside the device
-        # drafter with k fixed, today's default (the host drafter, adaptive) and vLLM's ngram, in
-        # vLLM's default mode, HumanEval and MT-bench prompts. One drafter per group (idle vLLM CPU
-        # engines busy-poll: only plain and one drafter are alive at a time).
-        device = {"drafter": "device"}
-        groups = [
-            Group("smollm2", [Method("selfspec device adaptive", spec=_selfspec(True, **device))],
-                  label="SmolLM2, its shipped profile"),
-            Group("smollm2", [Method("selfspec device fixed k", spec=_selfspec(False, **device))],
-                  label="SmolLM2, its shipped profile"),
-            Group("smollm2", [Method("selfspec host adaptive (default)", spec=_selfspec(True))],
-                  label="SmolLM2, its shipped profile"),
-            Group("smollm2", [Method("ngram", spec=NGRAM)], label="SmolLM2"),
-            Group("zero", [Method("selfspec device adaptive", spec=_selfspec(True, **device))],
-                  label="zero-output layers (every draft exact)"),
-        ]
-        return Suite(name=name, groups=groups, datasets=["humaneval", "mtbench"],
-                     temperatures=[0.0], batches=[1, 8], reps=3, max_tokens=48,
-                     time_budget_s=1800.0, compile=True,
-                     note="k = 4; zero: SmolLM2 with 30 zero-output layers inserted (every draft "
-                          "accepted); smollm2: its shipped profile")
     if name == "overhead-floor":
-        # #13's overhead floor: a selfspec engine whose every request has drafting switched off
-        # (per-request cap 0) against plain vLLM, both in vLLM's default mode: what the drafter
-        # costs where it drafts nothing. One drafter per group (idle engines busy-poll).
+        # A selfspec engine whose every request has drafting switched off (per-request cap 0)
+        # against plain vLLM, both in vLLM's default mode: what the drafter costs where it drafts
+        # nothing.
         off = {"selfspec": {"num_speculative_tokens": 0}}
-        groups = [
-            Group("smollm2", [Method(f"selfspec {drafter}, every request capped at 0",
-                                     spec=_selfspec(True, drafter=drafter), request_args=off)],
-                  label="SmolLM2, its shipped profile")
-            for drafter in ("device", "host")
-        ]
+        groups = [Group("smollm2", [Method("selfspec, every request capped at 0",
+                                           spec=_selfspec(True), request_args=off)],
+                        label="SmolLM2, its shipped profile")]
         return Suite(name=name, groups=groups, datasets=["mtbench"], temperatures=[0.0],
                      batches=[1, 8, 32], reps=5, max_tokens=48, time_budget_s=1800.0,
                      compile=True, note="k = 4; no drafts: the cost of the drafter's presence")
+    if name == "one-drafter":
+        # The one drafter's acceptance runs, each group with only plain and one selfspec engine
+        # alive: (a) drafting switched off for every request (the overhead floor), (b) free
+        # drafts (SmolLM2 with a zero-output layer after every layer, skipping exactly those,
+        # k = 6), (c) no harm where nothing is known: Qwen2.5-Coder-0.5B with its shipped profile
+        # withheld (online selection from the depth-based default skip set, what selfspec does
+        # for a model it has no profile for), whose first repetition is the engine's first batch
+        # at each size.
+        off = {"selfspec": {"num_speculative_tokens": 0}}
+        groups = [
+            Group("smollm2", [Method("selfspec, drafting off", spec=_selfspec(True),
+                                     request_args=off, batches=(1, 8, 32))],
+                  label="(a) SmolLM2, every request capped at 0"),
+            Group("zero", [Method("selfspec layer skip, k = 6", spec=_selfspec(
+                True, drafts="layer_skip", num_speculative_tokens=6), batches=(1, 8))],
+                  label="(b) SmolLM2 with 30 zero-output layers, skipped", weight=1.5),
+            Group(QWEN_CODER, [Method("selfspec, no profile", spec=_selfspec(True),
+                                      online_cold_start=True, batches=(16, 32))],
+                  label="(c) Qwen2.5-Coder-0.5B, shipped profile withheld", weight=2.5),
+        ]
+        return Suite(name=name, groups=groups, datasets=["mixed"], temperatures=[0.0],
+                     batches=[1, 8, 16, 32], reps=5, max_tokens=48, time_budget_s=3600.0,
+                     compile=True, note="default configuration (hybrid drafts, adaptive) unless "
+                                        "the method says; (c): rep 0 is each batch size's first "
+                                        "batch on that engine")
     if name == "hybrid":
-        # #14: prompt lookup beside layer skipping in the device drafter ("drafts": "hybrid"),
-        # against vLLM's ngram (same k and n-gram sizes) and the device drafter's layer-skip
-        # drafts alone, adaptive both, in vLLM's default mode. One drafter per group (idle vLLM
-        # CPU engines busy-poll: only plain and one drafter are alive at a time).
-        device = {"drafter": "device"}
+        # #14: prompt lookup beside layer skipping ("drafts": "hybrid"), against vLLM's ngram
+        # (same k and n-gram sizes) and the drafter's layer-skip drafts alone, adaptive both, in
+        # vLLM's default mode. One drafter per group (idle vLLM CPU engines busy-poll: only plain
+        # and one drafter are alive at a time).
         lookup = {"prompt_lookup_min": 2, "prompt_lookup_max": 4}
         groups = [
             Group("smollm2", [Method("selfspec hybrid", spec=_selfspec(
-                True, drafts="hybrid", **lookup, **device))], label="SmolLM2, its shipped profile"),
+                True, drafts="hybrid", **lookup))], label="SmolLM2, its shipped profile"),
             Group("smollm2", [Method("ngram", spec=NGRAM)], label="SmolLM2, its shipped profile"),
-            Group("smollm2", [Method("selfspec layer skip", spec=_selfspec(True, **device))],
+            Group("smollm2", [Method("selfspec layer skip", spec=_selfspec(
+                True, drafts="layer_skip"))],
                   label="SmolLM2, its shipped profile"),
             # the hybrid's lookup source alone, under the same controller (against ngram: what
             # the source choice and the lookup cut cost or gain)
             Group("smollm2", [Method("selfspec lookup", spec=_selfspec(
-                True, drafts="lookup", **lookup, **device))], label="SmolLM2, its shipped profile"),
+                True, drafts="lookup", **lookup))], label="SmolLM2, its shipped profile"),
         ]
         return Suite(name=name, groups=groups, datasets=["humaneval", "mtbench"],
                      temperatures=[0.0, 0.7], batches=[1, 8, 32], reps=5, max_tokens=48,
                      time_budget_s=3600.0, compile=True, any_model=True,
-                     note="k = 4; selfspec: the device drafter, adaptive, the model's shipped "
+                     note="k = 4; selfspec: adaptive, the model's shipped "
                           "profile; hybrid and ngram: n-grams of 2..4 tokens")
     if name == "smoke":
         return Suite(
@@ -319,8 +288,8 @@ def build_suite(name: str) -> Suite:
     raise ValueError(f"unknown suite {name!r}; choose from {', '.join(SUITES)}")
 
 
-SUITES = ("cpu-smollm2", "cpu-qwen-coder", "cpu-zero", "no-harm", "sync-floor", "drafter-v2",
-          "device-adaptive", "overhead-floor", "hybrid", "smoke")
+SUITES = ("cpu-smollm2", "cpu-qwen-coder", "cpu-zero", "no-harm", "overhead-floor", "one-drafter",
+          "hybrid", "smoke")
 ONLINE_SUITE = "online"  # benchmarks/online.py: a server per method, `vllm bench serve`
 EMBEDDED_MODEL_NAMES = ("smollm2-135m", QWEN_CODER)  # vllm_selfspec.tools.assets.EMBEDDED_MODELS
 _ZERO_SKIP: dict[str, Any] = {}  # filled by resolve_model("zero") (the inserted layers)
@@ -715,8 +684,7 @@ def _truncation_text(plan: Mapping[str, Any]) -> str:
 
 def render_markdown(result: dict[str, Any]) -> str:
     p = result["plan"]
-    mode = ("compiled (vLLM's default mode; the host drafter's drafts eager, the device "
-            "drafter's compiled)" if p.get("compile") else "eager")
+    mode = "compiled (vLLM's default mode)" if p.get("compile") else "eager"
     lines = analysis.markdown_preamble(
         result, "",
         f"{p['max_tokens']} new tokens per prompt, {p['batch1_prompts']} prompts one after "
@@ -955,7 +923,7 @@ def configure(args: argparse.Namespace) -> Suite:
 
 def method_names(parts: list[str], available: set[str]) -> set[str]:
     """``--methods`` split at its commas, read back into the suite's method names: a name that
-    holds a comma ("selfspec device, every request capped at 0") is its parts joined again.
+    holds a comma ("selfspec, every request capped at 0") is its parts joined again.
     A name the suite does not have stops the run before any engine starts (a typo used to run
     the plain engine alone and write an empty table)."""
     wanted: set[str] = set()

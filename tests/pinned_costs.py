@@ -52,10 +52,9 @@ class PinnedCostsExtension(SelfSpecWorkerExtension):
     def selfspec_pin_step_costs(self, flat: list[float]) -> bool:
         from vllm_selfspec.control.step_costs import StepCosts
         from vllm_selfspec.drafting.device_drafter import SelfSpecDeviceProposer
-        from vllm_selfspec.drafting.host_drafter import SelfSpecProposer
 
         drafter = getattr(self.model_runner, "drafter", None)
-        if not isinstance(drafter, SelfSpecProposer | SelfSpecDeviceProposer):
+        if not isinstance(drafter, SelfSpecDeviceProposer):
             return False
         table = StepCosts.from_flat(flat)
         drafter._costs = _PinnedRecorder(table)

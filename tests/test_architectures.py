@@ -197,7 +197,7 @@ def test_tensor_parallel_2_greedy_identical(arch, plain):
         assert token_ids(llm.generate(batch, params, use_tqdm=False)) == plain["greedy"]["batch"]
         ranks = drafter_stats(llm)
     assert len(ranks) == 2
-    lockstep = ("steps", "draft_forwards", "draft_tokens", "rows_drafting")
+    lockstep = ("steps", "draft_passes", "draft_forwards", "draft_tokens", "lookup_tokens")
     assert [ranks[0][k] for k in lockstep] == [ranks[1][k] for k in lockstep]
     assert ranks[0]["draft_tokens"] > 0
 

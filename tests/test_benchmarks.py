@@ -169,7 +169,7 @@ def test_smoke_suite_arguments():
 
 
 def test_methods_option_takes_names_with_commas_and_refuses_unknown_ones():
-    floor = "selfspec device, every request capped at 0"
+    floor = "selfspec, every request capped at 0"
     suite = run.configure(run.parse_args(["--suite", "overhead-floor", "--methods", floor]))
     assert [m.name for g in suite.groups for m in g.methods] == [floor]
     suite = run.configure(run.parse_args(

@@ -393,7 +393,6 @@ def test_settings_round_trip_through_json() -> None:
         "layer_selection",
         "online_search",
         "online_profile_out",
-        "drafter",
         "drafts",
         "prompt_lookup_min",
         "prompt_lookup_max",
@@ -443,58 +442,57 @@ def test_import_is_light() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, cwd=root)
 
 
-def test_device_drafter_defaults_to_fixed_k_and_selects_layers_as_the_host_drafter() -> None:
-    s = resolve_settings({"drafter": "device"}, SMOL, 6)  # a shipped profile matches
-    assert (s.drafter, s.adaptive, s.layer_selection) == ("device", False, "static")
-    # no profile matches: online layer selection from the default set, as on the host drafter
+def test_one_drafter_defaults_hybrid_adaptive_and_selects_layers() -> None:
+    s = resolve_settings({}, SMOL, 6)  # a shipped profile matches
+    assert (s.drafts, s.adaptive, s.layer_selection) == ("hybrid", True, "static")
+    assert "drafter" not in s.to_dict()
+    # no profile matches: online layer selection from the default set
     unprofiled = ModelFingerprint("LlamaForCausalLM", 8, 128, 576, name="tiny")
-    online = resolve_settings({"drafter": "device"}, unprofiled, 4)
-    assert online.layer_selection == "online"
-    assert online.layer_selection == resolve_settings({}, unprofiled, 4).layer_selection
-    host = resolve_settings({}, SMOL, 6)
-    assert host.drafter == "host" and host.adaptive is True
-    adaptive = resolve_settings({"drafter": "device", "adaptive": True}, SMOL, 6)
-    assert (adaptive.drafter, adaptive.adaptive) == ("device", True)
+    assert resolve_settings({}, unprofiled, 4).layer_selection == "online"
+    assert resolve_settings({"adaptive": False}, SMOL, 6).adaptive is False
 
 
-def test_device_drafter_takes_a_draft_without_attention() -> None:
-    """Every attention sub-layer skipped (some MLPs kept): as on the host drafter."""
-    s = resolve_settings({"drafter": "device", "skip_attention": list(range(30)),
-                          "skip_mlp": [1]}, SMOL, 6)
+def test_removed_drafter_key() -> None:
+    """``"drafter": "host"`` names the removed drafter: a clear error that says what to use;
+    ``"device"``, the one drafter left, is still taken (with a warning); anything else fails."""
+    with pytest.raises(SelfSpecConfigError, match=r"drafter='host': the 'drafter' key was "
+                       r"removed.*remove the key"):
+        resolve_settings({"drafter": "host"}, SMOL, 6)
+    with pytest.raises(SelfSpecConfigError, match="'drafter' key was removed"):
+        resolve_settings({"drafter": "gpu"}, SMOL, 6)
+    assert resolve_settings({"drafter": "device"}, SMOL, 6) == resolve_settings({}, SMOL, 6)
+
+
+def test_draft_without_attention() -> None:
+    """Every attention sub-layer skipped (some MLPs kept) is a draft; every sub-layer is not."""
+    s = resolve_settings({"skip_attention": list(range(30)), "skip_mlp": [1]}, SMOL, 6)
     assert len(s.skip_attention) == 30 and s.skip_mlp == (1,)
     with pytest.raises(SelfSpecConfigError, match="every"):
-        resolve_settings({"drafter": "device", "skip_attention": list(range(30)),
-                          "skip_mlp": list(range(30))}, SMOL, 6)
-
-
-def test_drafter_value_is_checked() -> None:
-    with pytest.raises(SelfSpecConfigError, match="drafter must be 'host' or 'device'"):
-        resolve_settings({"drafter": "gpu"}, SMOL, 6)
+        resolve_settings({"skip_attention": list(range(30)), "skip_mlp": list(range(30))},
+                         SMOL, 6)
 
 
 def test_draft_sources_and_lookup_sizes() -> None:
     s = resolve_settings({}, SMOL, 6)
-    assert (s.drafts, s.prompt_lookup_min, s.prompt_lookup_max) == ("layer_skip", 2, 4)
-    hybrid = resolve_settings({"drafter": "device", "drafts": "hybrid"}, SMOL, 6)
-    assert hybrid.drafts == "hybrid" and "drafts=hybrid" in hybrid.describe()
-    assert SelfSpecSettings.from_dict(json.loads(json.dumps(hybrid.to_dict()))) == hybrid
+    assert (s.drafts, s.prompt_lookup_min, s.prompt_lookup_max) == ("hybrid", 2, 4)
+    assert "drafts=hybrid" in s.describe()
+    layer_skip = resolve_settings({"drafts": "layer_skip"}, SMOL, 6)
+    assert layer_skip.drafts == "layer_skip" and "drafts=" not in layer_skip.describe()
+    assert SelfSpecSettings.from_dict(json.loads(json.dumps(s.to_dict()))) == s
     # one size given: the other follows it (as vLLM's ngram method does)
-    low = resolve_settings({"drafter": "device", "drafts": "lookup", "prompt_lookup_max": 1},
-                           SMOL, 6)
+    low = resolve_settings({"drafts": "lookup", "prompt_lookup_max": 1}, SMOL, 6)
     assert (low.prompt_lookup_min, low.prompt_lookup_max) == (1, 1)
-    high = resolve_settings({"drafter": "device", "drafts": "lookup", "prompt_lookup_min": 6},
-                            SMOL, 6)
+    high = resolve_settings({"drafts": "lookup", "prompt_lookup_min": 6}, SMOL, 6)
     assert (high.prompt_lookup_min, high.prompt_lookup_max) == (6, 6)
 
 
 @pytest.mark.parametrize(
     ("spec", "match"),
     [
-        ({"drafts": "hybrid"}, "needs drafter 'device'"),
-        ({"drafter": "device", "drafts": "ngram"}, "drafts must be one of 'layer_skip'"),
-        ({"drafter": "device", "prompt_lookup_min": 0}, "prompt_lookup_min must be an integer"),
-        ({"drafter": "device", "prompt_lookup_max": "4"}, "prompt_lookup_max must be an integer"),
-        ({"drafter": "device", "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "must be <="),
+        ({"drafts": "ngram"}, "drafts must be one of 'layer_skip'"),
+        ({"prompt_lookup_min": 0}, "prompt_lookup_min must be an integer"),
+        ({"prompt_lookup_max": "4"}, "prompt_lookup_max must be an integer"),
+        ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "must be <="),
         ({"draft": "hybrid"}, "did you mean 'drafts'"),
     ],
 )

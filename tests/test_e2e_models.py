@@ -1,16 +1,13 @@
-"""The known-redundancy model, two engines in one process, the bare config, the KV bounds check.
+"""The known-redundancy model, two engines in one process, the bare config.
 
 Each decoder family (greedy, sampled, TP=2, sliding windows) is in tests/test_architectures.py.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import pytest
 
-from tests.engine_utils import MetricsWindow, drafter_stats, engine, env, token_ids
+from tests.engine_utils import MetricsWindow, drafter_stats, engine, token_ids
 
 pytestmark = pytest.mark.engine
 
@@ -108,45 +105,3 @@ def test_bare_method_selfspec_works():
     assert online["initial_skip_attention"] == list(attention)
     assert online["initial_skip_mlp"] == list(mlp)
     assert stats["k_max"] == DEFAULT_NUM_SPECULATIVE_TOKENS
-
-
-@contextlib.contextmanager
-def _engine_core_here_without_lookahead() -> Iterator[None]:
-    """Engines started inside run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: engine
-    core and its one worker), where ``VllmConfig.num_lookahead_tokens`` is vLLM's own property
-    again (0 for custom proposers) instead of patch 2's, so the scheduler reserves no lookahead
-    slots. Afterwards the process is put back for the engines of later tests: patch 2, vLLM's
-    test clean-up (environment-variable cache, distributed state) and ``torch.set_num_threads``
-    (vLLM's CPU worker replaces it in its process)."""
-    import torch
-    from vllm.config import VllmConfig
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-    patched = VllmConfig.__dict__["num_lookahead_tokens"]
-    set_num_threads = torch.set_num_threads
-    VllmConfig.num_lookahead_tokens = patched.fget.__wrapped__
-    try:
-        with env(VLLM_ENABLE_V1_MULTIPROCESSING="0"):
-            yield
-    finally:
-        VllmConfig.num_lookahead_tokens = patched
-        cleanup_dist_env_and_memory()
-        torch.set_num_threads = set_num_threads
-
-
-def test_kv_bounds_check_fires_without_lookahead_reservation():
-    """Without the lookahead patch the scheduler under-allocates and the drafter must clip.
-
-    This shows that the "drafts never pass the allocated KV blocks" assertion of the other tests can
-    fail, and that the clip keeps the output lossless even then.
-    """
-    model_dir = _tiny("e2e-llama", arch="llama", num_layers=8)
-    # small blocks: many block boundaries for draft writes to run past
-    with engine(model_dir, block_size=32) as llm:
-        reference = _greedy(llm, max_tokens=150)
-    spec = {"method": "selfspec", "skip_mlp": [5], "num_speculative_tokens": 8, "adaptive": False}
-    with _engine_core_here_without_lookahead(), engine(model_dir, spec, block_size=32) as llm:
-        assert llm.llm_engine.vllm_config.num_lookahead_tokens == 0  # the premise
-        assert _greedy(llm, max_tokens=150) == reference
-        stats = drafter_stats(llm)[0]
-    assert stats["kv_overflow_clips"] > 0, stats

@@ -4,7 +4,8 @@ Setup: the 8-layer tiny llama (576-token vocabulary, fp32), one prompt, ``NUM_SA
 requests of ``NEW_TOKENS`` tokens per sampling configuration, on plain vLLM and on selfspec with
 ``num_speculative_tokens=4``, adaptive drafting off (every round drafts 4 tokens, so all four draft
 slots are verified in every round and the sequences span several verification rounds). Sampling
-configurations: temperature 0.3, 0.7 and 1.3, and at temperature 1.0 top-p 0.9 and top-k 20. vLLM
+configurations: temperature 0.3, 0.7 and 1.3, and at temperature 1.0 top-p 0.9 and top-k 20
+(layer-skip drafts; prompt lookups have their own test below). vLLM
 0.32 refuses min-p with any speculative decoding (``VLLMValidationError``), so for min-p the test
 asserts that refusal instead. Each run asserts that drafts were verified and accepted at every
 draft slot.
@@ -36,13 +37,16 @@ differ), and moving 5% of the mass from ``p[x]`` to ``p[x - 1]`` (an off-by-one 
 uniform distribution there is caught with probability near 0 at this sample size; at positions 0-1
 of temperature 0.3 / top-k / min-p it is caught with probability near 1.
 
-Negative controls (must be detected, same sample size and per-position level): the selfspec engine
-runs a worker extension (``tests/sampling_faults.py``) that patches its drafter for one block of
-requests: (1) at temperature 0.7, drafts drawn at temperature 1.0 while the draft probabilities
-handed to the verifier are computed at 0.7; (2) at temperature 0.3, draft probabilities taken from
-the full model's distribution instead of the layer-skip distribution the draft was drawn from.
+Negative controls (must be detected, same sample size and per-position level), one for every
+sampled configuration: the selfspec engine runs a worker extension (``tests/sampling_faults.py``)
+that patches its drafter for one block of requests, drafts drawn at another temperature (1.0 below
+1.0, a third of the request's from 1.0 up) while the draft probabilities handed to the verifier
+are those at the request's temperature and truncation; and for hybrid drafts, a lookup draft handed
+on with the pass's draft probabilities instead of its deterministic proposal.
 Argmax drafts must also keep the distribution (and be accepted less often than sampled drafts),
 and greedy requests mixed into a sampled batch stay token-identical to plain greedy decoding.
+The drafter's adaptive controller (step costs pinned) cuts drafts at planned budgets and at the
+confidence exit in one more configuration.
 """
 
 from __future__ import annotations
@@ -68,17 +72,10 @@ CONFIGS: dict[str, dict[str, float]] = {
     "top_k": {"temperature": 1.0, "top_k": 20},
 }
 ARGMAX_CONFIG = "t0.7"
-FAULTS = {"temperature": "t0.7", "full_model": "t0.3"}  # fault -> configuration it runs at
-# the device drafter (vLLM's draft-model machinery, "drafter": "device"): name -> (configuration,
-# adaptive). Its engine is adaptive with pinned step costs; the k-fixed runs switch adaptivity
-# off per request. Adaptive drafts are cut to planned budgets and at the confidence exit.
-DEVICE_CONFIGS = {
-    "t0.7": ("t0.7", False),
-    "top_p": ("top_p", False),
-    "top_k": ("top_k", False),
-    "t0.7 adaptive": ("t0.7", True),
-}
-# hybrid drafts (prompt lookup beside layer skipping, device drafter): a model with small weights
+# the same configurations under the adaptive controller (step costs pinned): drafts cut to planned
+# budgets and at the confidence exit
+ADAPTIVE_CONFIGS = {"t0.7 adaptive": "t0.7"}
+# hybrid drafts (prompt lookup beside layer skipping): a model with small weights
 # whose greedy text loops, prompted with its own greedy continuation, and n-grams of 1..2 tokens,
 # so that lookups are frequent in sampled text; k fixed; step costs pinned with a dear draft
 # forward and the lookup acceptance pinned high, so that a lookup draft is taken wherever one is
@@ -89,22 +86,16 @@ HYBRID_PROMPT_GREEDY_TOKENS = 25
 # every prefill of a step fits the token budget (vLLM's CPU build kills a plain engine when a
 # seeded request's prefill is chunked: patch 4 covers selfspec engines only)
 HYBRID_ENGINE = {"max_num_batched_tokens": 8192}
-# probabilistic drafts per configuration, argmax drafts, the device drafter's configurations,
-# hybrid drafts
-NUM_EQUALITY_TESTS = len(CONFIGS) + 1 + len(DEVICE_CONFIGS) + 1
+# probabilistic drafts per configuration, adaptive ones, argmax drafts, hybrid drafts
+NUM_EQUALITY_TESTS = len(CONFIGS) + len(ADAPTIVE_CONFIGS) + 1 + 1
 ALPHA_PER_TEST = ALPHA / (NUM_EQUALITY_TESTS * NEW_TOKENS)
 MIN_POWER = 0.9
 MAX_CELLS = 16
 WRONG_TOKEN_RANK = 9  # r: a point mass on the 10th most likely token
-SKIP = {"skip_attention": [3, 5], "skip_mlp": [6], "num_speculative_tokens": K, "adaptive": False}
+SKIP = {"skip_attention": [3, 5], "skip_mlp": [6], "num_speculative_tokens": K,
+        "drafts": "layer_skip"}
+K_FIXED = {"selfspec": {"adaptive": False}}  # per request: every round drafts K tokens
 FAULT_EXTENSION = "tests.sampling_faults.SamplingFaultExtension"
-DEVICE_FAULT_EXTENSION = "tests.sampling_faults.DeviceSamplingFaultExtension"
-# the device drafter's negative controls (k fixed): fault -> configuration it runs at. (Faults
-# in the top-k truncation of the drafts were too weak for this model at the module's level: drafts
-# drawn truncated with untruncated probabilities reached p = 0.013, drafts drawn untruncated with
-# truncated probabilities 2.9e-5; the truncation itself is shown by test_device_drafter's top_k=1
-# requests, whose exact drafts are all accepted.)
-DEVICE_FAULTS = {"temperature": "t0.7"}
 
 
 @pytest.fixture(scope="module")
@@ -189,63 +180,47 @@ def plain(model_dir, prompt):
 
 @pytest.fixture(scope="module")
 def probabilistic(model_dir, prompt):
-    spec = {"method": "selfspec", **SKIP}
+    """One selfspec engine (adaptive, step costs pinned): every configuration with k fixed per
+    request, the adaptive ones, greedy rows in a sampled batch, the min-p refusal, and every
+    configuration's negative control."""
+    from tests.pinned_costs import pin_step_costs
+
+    spec = {"method": "selfspec", **SKIP, "adaptive": True}
     with engine(model_dir, spec, worker_extension_cls=FAULT_EXTENSION) as llm:
+        # cheap drafts: the controller drafts at this set's sampled acceptance
+        pin_step_costs(llm, draft_ratio=0.05)
         result: dict = {"samples": {}, "counters": {}, "faults": {}, "fault_hits": {}}
         for i, config in enumerate(CONFIGS):
-            samples, counters = _sample_drafting(llm, prompt, config, 100_000 * (i + 1))
+            samples, counters = _sample_drafting(llm, prompt, config, 100_000 * (i + 1),
+                                                 K_FIXED)
             result["samples"][config] = samples
             result["counters"][config] = counters
+        for i, (name, config) in enumerate(ADAPTIVE_CONFIGS.items()):
+            [before] = drafter_stats(llm)
+            samples, counters = _sample_drafting(llm, prompt, config, 20_000_000 * (i + 1),
+                                                 every_slot=False)
+            [after] = drafter_stats(llm)
+            counters["confidence_exits"] = after["confidence_exits"] - before["confidence_exits"]
+            result["samples"][name] = samples
+            result["counters"][name] = counters
         result["greedy"] = _greedy_mix(llm, prompt)
         result["min_p_error"] = _min_p_error(llm, prompt)
-        for i, (fault, config) in enumerate(FAULTS.items()):
-            assert llm.collective_rpc("sampling_fault_install", args=(fault,)) == [True]
+        for i, config in enumerate(CONFIGS):
+            assert llm.collective_rpc("sampling_fault_install", args=("temperature",)) == [True]
             try:
-                samples, _ = _sample_drafting(llm, prompt, config, 1_000_000 * (i + 1))
+                samples, _ = _sample_drafting(llm, prompt, config, 1_000_000 * (i + 1), K_FIXED)
             finally:
-                hits = llm.collective_rpc("sampling_fault_remove")
-            result["faults"][fault] = samples
-            result["fault_hits"][fault] = hits
+                result["fault_hits"][config] = llm.collective_rpc("sampling_fault_remove")
+            result["faults"][config] = samples
         return result
 
 
 @pytest.fixture(scope="module")
 def argmax(model_dir, prompt):
-    with engine(model_dir, {"method": "selfspec", **SKIP, "draft_sampling": "argmax"}) as llm:
+    spec = {"method": "selfspec", **SKIP, "adaptive": False, "draft_sampling": "argmax"}
+    with engine(model_dir, spec) as llm:
         samples, counters = _sample_drafting(llm, prompt, ARGMAX_CONFIG, 9_000_000)
         return {"samples": samples, "counters": counters}
-
-
-@pytest.fixture(scope="module")
-def device(model_dir, prompt):
-    from tests.pinned_costs import pin_step_costs
-
-    spec = {"method": "selfspec", **SKIP, "drafter": "device", "adaptive": True}
-    with engine(model_dir, spec, worker_extension_cls=DEVICE_FAULT_EXTENSION) as llm:
-        # cheap drafts: the controller drafts at this set's sampled acceptance
-        pin_step_costs(llm, draft_ratio=0.05)
-        out = {}
-        for i, (name, (config, adaptive)) in enumerate(DEVICE_CONFIGS.items()):
-            extra = None if adaptive else {"selfspec": {"adaptive": False}}
-            [before] = drafter_stats(llm)
-            out[name] = _sample_drafting(
-                llm, prompt, config, 20_000_000 * (i + 1), extra, every_slot=not adaptive
-            )
-            [after] = drafter_stats(llm)
-            out[name][1]["confidence_exits"] = (
-                after["confidence_exits"] - before["confidence_exits"]
-            )
-        out["faults"], out["fault_hits"] = {}, {}
-        for i, (fault, config) in enumerate(DEVICE_FAULTS.items()):
-            assert llm.collective_rpc("sampling_fault_install", args=(fault,)) == [True]
-            try:
-                out["faults"][fault], _ = _sample_drafting(
-                    llm, prompt, config, 90_000_000 + 1_000_000 * i,
-                    {"selfspec": {"adaptive": False}},
-                )
-            finally:
-                out["fault_hits"][fault] = llm.collective_rpc("sampling_fault_remove")
-        return out
 
 
 @pytest.fixture(scope="module")
@@ -276,8 +251,8 @@ def hybrid(hybrid_model_dir, hybrid_plain):
     from tests.pinned_costs import pin_step_costs
 
     looping, _ = hybrid_plain
-    spec = {"method": "selfspec", **SKIP, "drafter": "device", **HYBRID}
-    with engine(hybrid_model_dir, spec, worker_extension_cls=DEVICE_FAULT_EXTENSION,
+    spec = {"method": "selfspec", **SKIP, "adaptive": False, **HYBRID}
+    with engine(hybrid_model_dir, spec, worker_extension_cls=FAULT_EXTENSION,
                 **HYBRID_ENGINE) as llm:
         pin_step_costs(llm, draft_ratio=1.0)
         # lookups land rarely in text sampled at 0.7, and the drafter would stop taking them:
@@ -347,33 +322,34 @@ def test_power_formula_matches_simulation():
 
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_probabilistic_drafts_keep_the_distribution(plain, probabilistic, config):
+    """Drafts sampled from the request's distribution (temperature, then its top-k / top-p
+    truncation) with their probabilities handed to vLLM's rejection sampler: plain's
+    distribution."""
     p = _min_p_value(plain[config], probabilistic["samples"][config])
-    print(f"{config}: min p-value {p:.3g} (level {ALPHA_PER_TEST:.2g})")
+    print(f"{config}: acceptance {_acceptance(probabilistic['counters'][config]):.3f}, min "
+          f"p-value {p:.3g} (level {ALPHA_PER_TEST:.2g})")
     assert p > ALPHA_PER_TEST
 
 
-@pytest.mark.parametrize("name", list(DEVICE_CONFIGS))
-def test_device_drafter_keeps_the_distribution(plain, device, name):
-    """The device drafter samples drafts from the request's distribution (temperature, then its
-    top-k / top-p truncation) and hands their probabilities to vLLM's rejection sampler: the
-    distribution is plain's. The
-    adaptive run's drafts are cut at planned budgets and at the confidence exit (which fired)."""
-    config, adaptive = DEVICE_CONFIGS[name]
-    samples, counters = device[name]
-    print(f"device drafter {name}: acceptance {_acceptance(counters):.3f}, "
-          f"confidence exits {counters['confidence_exits']}")
-    assert (counters["confidence_exits"] > 0) == adaptive, counters
-    assert _min_p_value(plain[config], samples) > ALPHA_PER_TEST
+@pytest.mark.parametrize("name", list(ADAPTIVE_CONFIGS))
+def test_adaptive_drafts_keep_the_distribution(plain, probabilistic, name):
+    """Drafts cut at planned budgets and at the confidence exit (which fired)."""
+    counters = probabilistic["counters"][name]
+    print(f"{name}: acceptance {_acceptance(counters):.3f}, confidence exits "
+          f"{counters['confidence_exits']}")
+    assert counters["confidence_exits"] > 0, counters
+    p = _min_p_value(plain[ADAPTIVE_CONFIGS[name]], probabilistic["samples"][name])
+    assert p > ALPHA_PER_TEST
 
 
-@pytest.mark.parametrize("fault", list(DEVICE_FAULTS))
-def test_injected_bug_in_the_device_drafter_is_detected(plain, device, fault):
-    """Negative control of the device-drafter tests above, caught at the same level: drafts
-    drawn at temperature 1.0 with their probabilities handed on at the request's 0.7."""
-    hits = device["fault_hits"][fault]
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_injected_draft_probability_bug_is_detected(plain, probabilistic, config):
+    """Negative control of every configuration above, caught at the same level: drafts drawn at
+    another temperature, their probabilities handed on at the request's."""
+    hits = probabilistic["fault_hits"][config]
     assert hits and min(hits) > 0, hits  # the fault really replaced the drafts
-    p = _min_p_value(plain[DEVICE_FAULTS[fault]], device["faults"][fault])
-    print(f"device drafter, fault {fault} at {DEVICE_FAULTS[fault]}: min p-value {p:.3g}")
+    p = _min_p_value(plain[config], probabilistic["faults"][config])
+    print(f"fault at {config}: min p-value {p:.3g}")
     assert p < ALPHA_PER_TEST
 
 
@@ -402,15 +378,6 @@ def test_argmax_drafts_keep_the_distribution(plain, argmax):
     p = _min_p_value(plain[ARGMAX_CONFIG], argmax["samples"])
     print(f"argmax {ARGMAX_CONFIG}: min p-value {p:.3g}")
     assert p > ALPHA_PER_TEST
-
-
-@pytest.mark.parametrize("fault", list(FAULTS))
-def test_injected_draft_probability_bug_is_detected(plain, probabilistic, fault):
-    hits = probabilistic["fault_hits"][fault]
-    assert hits and min(hits) > 0, hits  # the fault really replaced draft probabilities
-    p = _min_p_value(plain[FAULTS[fault]], probabilistic["faults"][fault])
-    print(f"fault {fault} at {FAULTS[fault]}: min p-value {p:.3g}")
-    assert p < ALPHA_PER_TEST
 
 
 def test_sampled_drafts_are_accepted_more_often(probabilistic, argmax):

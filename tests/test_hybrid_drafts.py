@@ -1,4 +1,4 @@
-"""End-to-end tests of prompt-lookup drafts in the device drafter (``"drafts": "hybrid"`` and
+"""End-to-end tests of prompt-lookup drafts (``"drafts": "hybrid"``, the default, and
 ``"lookup"``) against plain vLLM decoding.
 
 Every test compares with a plain engine of the same model: greedy outputs token-identical. The
@@ -35,7 +35,7 @@ CONFIGS = {
 
 
 def _spec(cfg: dict[str, Any]) -> dict[str, Any]:
-    return {"method": "selfspec", "drafter": "device", **cfg}
+    return {"method": "selfspec", "adaptive": False, **cfg}  # k fixed unless cfg says
 
 
 @pytest.fixture(scope="module")

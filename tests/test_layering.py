@@ -20,6 +20,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "vllm_selfspec"
 CORE_PACKAGES = ("vllm_selfspec.control",)  # every module in them
 CORE_MODULES = (
     "vllm_selfspec.config",
+    "vllm_selfspec.drafting.model_cache",
     "vllm_selfspec.errors",
     "vllm_selfspec.layers.matchness",
     "vllm_selfspec.layers.online_search",
@@ -37,6 +38,7 @@ VLLM_IMPORTERS_PACKAGES = ("vllm_selfspec.plugin", "vllm_selfspec.drafting")
 VLLM_IMPORTERS_MODULES = (
     "vllm_selfspec.layers.search.confirm",  # vLLM's public LLM API
     "vllm_selfspec.tools.demo",  # vLLM's public LLM API
+    "vllm_selfspec.check",  # vLLM's public LLM API
 )
 
 

@@ -59,10 +59,12 @@ def test_patches_are_idempotent():
     from vllm.engine.arg_utils import EngineArgs
 
     patches.apply_patches()
-    first = (EngineArgs.create_speculative_config, VllmConfig.num_lookahead_tokens)
+    first = (EngineArgs.create_speculative_config, VllmConfig.use_v2_model_runner,
+             VllmConfig._get_v2_model_runner_unsupported_features)
     patches._applied = False  # force a second installation attempt
     patches.apply_patches()
-    assert (EngineArgs.create_speculative_config, VllmConfig.num_lookahead_tokens) == first
+    assert (EngineArgs.create_speculative_config, VllmConfig.use_v2_model_runner,
+            VllmConfig._get_v2_model_runner_unsupported_features) == first
     # never wrapped twice
     assert not getattr(
         EngineArgs.create_speculative_config.__wrapped__, "_vllm_selfspec_patched", False
@@ -77,23 +79,6 @@ class _FakeSpec:
 class _FakeVllmConfig:
     def __init__(self, spec):
         self.speculative_config = spec
-
-
-def test_lookahead_for_selfspec_only():
-    from vllm.config import VllmConfig
-
-    patches.apply_patches()
-    prop = VllmConfig.num_lookahead_tokens
-    ours = _FakeVllmConfig(_FakeSpec("custom_class", engine_markers.PROPOSER_PATH, 6))
-    assert prop.fget(ours) == 6
-    # somebody else's custom proposer keeps vLLM's answer (0)
-    other = _FakeVllmConfig(_FakeSpec("custom_class", "my.pkg.Proposer", 6))
-    other.speculative_config.use_dflash = lambda: False
-    other.speculative_config.use_dspark = lambda: False
-    other.speculative_config.use_eagle = lambda: False
-    other.speculative_config.uses_draft_model = lambda: False
-    assert prop.fget(other) == 0
-    assert prop.fget(_FakeVllmConfig(None)) == 0
 
 
 @pytest.mark.skipif(not cpu_sampler.cpu_expand_bug_present(), reason="only on vLLM's CPU build")
@@ -120,18 +105,17 @@ def test_cpu_expand_workaround_fixes_float_expansion():
     assert as_int64.tolist() == got.tolist()
 
 
-def test_device_drafter_only_for_selfspec_draft_model_engines():
+def test_selfspec_drafter_only_for_selfspec_draft_model_engines():
     def config(method, settings):
         cfg = _FakeVllmConfig(_FakeSpec(method, "some/model", 4))
         cfg.additional_config = None if settings is None else {"selfspec": settings}
         return cfg
 
-    assert engine_markers.wants_device_drafter(config("draft_model", {"drafter": "device"}))
-    # a user's own draft-model engine, and selfspec's host drafter, keep vLLM's proposer
-    assert not engine_markers.wants_device_drafter(config("draft_model", None))
-    assert not engine_markers.wants_device_drafter(config("draft_model", {"drafter": "host"}))
-    assert not engine_markers.wants_device_drafter(config("custom_class", {"drafter": "device"}))
-    assert not engine_markers.wants_device_drafter(_FakeVllmConfig(None))
+    assert engine_markers.is_selfspec_engine(config("draft_model", {"drafts": "hybrid"}))
+    # a user's own draft-model engine keeps vLLM's proposer
+    assert not engine_markers.is_selfspec_engine(config("draft_model", None))
+    assert not engine_markers.is_selfspec_engine(config("custom_class", {"drafts": "hybrid"}))
+    assert not engine_markers.is_selfspec_engine(_FakeVllmConfig(None))
 
 
 def test_runner_patch_waits_for_the_runner_module():

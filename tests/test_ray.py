@@ -78,7 +78,7 @@ def _worker_view(cfg, shipped_as: str) -> dict:
 
     import vllm_selfspec
     from vllm_selfspec.config import SelfSpecSettings
-    from vllm_selfspec.plugin.engine_markers import ADDITIONAL_CONFIG_KEY, is_selfspec_config
+    from vllm_selfspec.plugin.engine_markers import ADDITIONAL_CONFIG_KEY, is_selfspec_engine
 
     raw = cfg.additional_config[ADDITIONAL_CONFIG_KEY]
     settings = SelfSpecSettings.from_dict(raw)
@@ -89,10 +89,10 @@ def _worker_view(cfg, shipped_as: str) -> dict:
         "plugin_version": vllm_selfspec.__version__,
         "alias_patched": getattr(EngineArgs.create_speculative_config,
                                  "_vllm_selfspec_patched", False),
-        "lookahead_patched": getattr(VllmConfig.num_lookahead_tokens.fget,
+        "v1_runner_patched": getattr(VllmConfig.use_v2_model_runner.fget,
                                      "_vllm_selfspec_patched", False),
         "num_lookahead_tokens": cfg.num_lookahead_tokens,
-        "is_selfspec_config": is_selfspec_config(cfg.speculative_config),
+        "is_selfspec_engine": is_selfspec_engine(cfg),
         "settings": settings.to_dict(),
     }
 
@@ -131,8 +131,8 @@ def test_fresh_ray_workers_load_the_plugin_and_get_the_settings(local_ray, vllm_
         assert view["pid"] != os.getpid()
         assert view["selfspec_modules_before_plugin_load"] == [], view
         assert view["plugin_version"] == __version__
-        assert view["alias_patched"] and view["lookahead_patched"], view
-        assert view["is_selfspec_config"], view
+        assert view["alias_patched"] and view["v1_runner_patched"], view
+        assert view["is_selfspec_engine"], view
         assert view["num_lookahead_tokens"] == K, view
         assert view["settings"] == expected, view
 

@@ -103,7 +103,7 @@ def test_ray_tp2_selfspec_matches_tp1(model_dir, reference, tmp_path, v2):
     assert sorted(w["tp_rank"] for w in workers) == [0, 1]
     assert all(w["pid"] != os.getpid() for w in workers)
     ranks = got["drafter_stats"]
-    lockstep = ("steps", "draft_forwards", "draft_tokens", "rows_drafting")
+    lockstep = ("steps", "draft_passes", "draft_forwards", "draft_tokens", "lookup_tokens")
     assert [ranks[0][k] for k in lockstep] == [ranks[1][k] for k in lockstep]
     assert ranks[0]["draft_forwards"] > 0
     assert got["spec_metrics"]["vllm:spec_decode_num_draft_tokens"] > 0
@@ -120,8 +120,8 @@ def zero_model_dir():
     return tiny_model_dir("e2e-zero", arch="llama", num_layers=8, zero_output_layers=ZERO_LAYERS)
 
 
-def test_ray_tp2_device_drafter_adaptive_matches_tp1(zero_model_dir, tmp_path):
-    """The device drafter with the adaptive controller over Ray (RayExecutorV2), TP=2: both ranks
+def test_ray_tp2_adaptive_matches_tp1(zero_model_dir, tmp_path):
+    """The drafter with the adaptive controller over Ray (RayExecutorV2), TP=2: both ranks
     plan the same pass lengths from rank 0's broadcast step costs (a pass is a collective: plans
     that differed would hang the engine) and the output equals plain TP=1's. The skip set is
     exact, so the controller keeps drafting."""
@@ -133,10 +133,10 @@ def test_ray_tp2_device_drafter_adaptive_matches_tp1(zero_model_dir, tmp_path):
     env = {**shim_env(shim, REPO), "VLLM_CPU_OMP_THREADS_BIND": "0|1",
            "RAY_USAGE_STATS_ENABLED": "0", "VLLM_USE_RAY_V2_EXECUTOR_BACKEND": "1"}
     spec = {"method": "selfspec", "skip_attention": ZERO_LAYERS, "skip_mlp": ZERO_LAYERS,
-            "num_speculative_tokens": 4, "drafter": "device", "adaptive": True}
+            "num_speculative_tokens": 4, "adaptive": True}
     got = _run(zero_model_dir, tmp_path / "ray_tp2_device.json", "--tp", "2", "--backend", "ray",
                "--start-ray", "--spec", json.dumps(spec), env=env)
-    print(f"\nray tp2 device adaptive: start {got['start_s']:.0f} s, generate "
+    print(f"\nray tp2 adaptive: start {got['start_s']:.0f} s, generate "
           f"{got['generate_s']:.1f} s; spec metrics {got['spec_metrics']}")
     assert got["backend"] == "ray"
     assert got["token_ids"] == reference["token_ids"]

@@ -328,32 +328,3 @@ def test_cpu_top_k_only_with_no_draft_tokens():
     logits = torch.tensor([[0.1, 2.0, 0.3, 1.0], [3.0, 0.0, 1.0, 2.0]])
     masked = tts.apply_top_k_only(logits.clone(), torch.tensor([1, 2], dtype=torch.int32))
     assert torch.isfinite(masked).sum(dim=1).tolist() == [1, 2]
-
-
-def test_host_drafts_sample_the_requests_truncated_distribution():
-    """The host drafter samples a request's drafts from what its target samples from: the
-    temperature-scaled distribution truncated to its top-k / top-p (vLLM's truncation); greedy
-    rows stay one-hot at the argmax; without truncation the whole scaled distribution."""
-    import numpy as np
-
-    from vllm_selfspec.drafting.host_drafter import SelfSpecProposer
-
-    drafter = SimpleNamespace(generator=torch.Generator().manual_seed(0))
-    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
-    temps = np.array([0.7, 1.0, 0.0], np.float32)
-    top_k = np.array([5, 50, 50], np.int32)  # 50: the vocabulary, no top-k
-    top_p = np.array([1.0, 0.5, 1.0], np.float32)
-    tokens, _, probs = SelfSpecProposer._pick_tokens(drafter, logits, temps, temps > 0,
-                                                     top_k, top_p)
-    assert torch.allclose(probs.sum(-1), torch.ones(3))
-    top5 = (logits[0] / 0.7).topk(5).indices
-    kept = torch.softmax(logits[0] / 0.7, -1)[top5]
-    assert torch.allclose(probs[0, top5], kept / kept.sum())
-    assert int((probs[0] > 0).sum()) == 5
-    ascending = torch.softmax(logits[1], -1).sort().values.cumsum(-1)
-    assert int((probs[1] > 0).sum()) == 50 - int((ascending <= 0.5).sum()) < 50
-    assert probs[2].max() == 1.0 and int(probs[2].argmax()) == int(logits[2].argmax())
-    assert all(probs[i, tokens[i]] > 0 for i in range(3))
-    _, _, whole = SelfSpecProposer._pick_tokens(drafter, logits, temps, temps > 0)
-    assert torch.allclose(whole[0], torch.softmax(logits[0] / 0.7, -1))
-    assert int((whole[1] > 0).sum()) == 50

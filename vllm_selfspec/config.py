@@ -78,11 +78,9 @@ SUPPORTED_ARCHITECTURES = (
 )
 DEFAULT_DRAFT_CONFIDENCE_THRESHOLD = DEFAULT_EXIT_THRESHOLD
 LAYER_SELECTION_MODES = ("static", "online")
-DRAFTERS = ("host", "device")
-"""``host``: the ``custom_class`` drafter (CPU lists, eager drafts; every feature). ``device``:
-vLLM's device-side speculator path (experimental; see
-:mod:`vllm_selfspec.drafting.device_drafter`)."""
-DEFAULT_DRAFTER = "host"
+REMOVED_DRAFTER_KEY = "drafter"
+"""Removed: selfspec has one drafter (:mod:`vllm_selfspec.drafting.device_drafter`). ``"device"``,
+which names it, is accepted with a warning; any other value is an error that says so."""
 
 SELFSPEC_KEYS = frozenset(
     {
@@ -96,7 +94,7 @@ SELFSPEC_KEYS = frozenset(
         "layer_selection",
         "online_search",
         "online_profile_out",
-        "drafter",
+        REMOVED_DRAFTER_KEY,
         "drafts",
         "prompt_lookup_min",
         "prompt_lookup_max",
@@ -194,7 +192,6 @@ class SelfSpecSettings(DraftKnobs):
     layer_selection: Literal[LAYER_SELECTION_MODES] = "static"
     online_search: dict[str, Any] | None = None
     online_profile_out: str | None = None
-    drafter: Literal[DRAFTERS] = DEFAULT_DRAFTER
     drafts: Literal[DRAFT_SOURCES] = DEFAULT_DRAFTS
     prompt_lookup_min: PositiveInt = DEFAULT_PROMPT_LOOKUP_MIN
     prompt_lookup_max: PositiveInt = DEFAULT_PROMPT_LOOKUP_MAX
@@ -241,11 +238,6 @@ class SelfSpecSettings(DraftKnobs):
             raise SelfSpecConfigError(
                 f"prompt_lookup_min={self.prompt_lookup_min} must be <= "
                 f"prompt_lookup_max={self.prompt_lookup_max}"
-            )
-        if self.drafts != "layer_skip" and self.drafter != "device":
-            raise SelfSpecConfigError(
-                f"drafts={self.drafts!r} (prompt-lookup drafts) needs drafter 'device'; the "
-                f"'{self.drafter}' drafter drafts with layer skipping only ('layer_skip')"
             )
         if self.layer_selection != "online":
             for key in ("online_search", "online_profile_out"):
@@ -328,6 +320,26 @@ def _explicit_lists(spec: Mapping[str, Any], n_layers: int) -> tuple[tuple[int, 
     )
 
 
+def _check_removed_drafter_key(given: Mapping[str, Any]) -> None:
+    """The ``drafter`` key of earlier releases: ``"device"`` (the one drafter left) is accepted
+    with a warning, anything else is an error that says what to use instead."""
+    if REMOVED_DRAFTER_KEY not in given:
+        return
+    value = given[REMOVED_DRAFTER_KEY]
+    if value == "device":
+        logger.warning(
+            "selfspec: the 'drafter' key is deprecated and ignored: the device drafter is "
+            "selfspec's only drafter; remove the key"
+        )
+        return
+    raise SelfSpecConfigError(
+        f"drafter={value!r}: the 'drafter' key was removed, and with it the host drafter "
+        f"('host'). selfspec has one drafter, which drafts on vLLM's own speculator machinery on "
+        f"every platform; remove the key (for layer-skip drafts only, as the host drafter made, "
+        f"set \"drafts\": \"layer_skip\")"
+    )
+
+
 def _unknown_key_error(key: object) -> SelfSpecConfigError:
     valid = sorted(SELFSPEC_KEYS)
     return SelfSpecConfigError(
@@ -407,9 +419,9 @@ def resolve_settings(
                 f"(no profile matched; a searched profile would be faster)"
             )
 
+    _check_removed_drafter_key(given)
     # Online selection: asked for, or the default when nothing chose the skip set (no explicit
     # lists, no profile given, no shipped profile matched); the chosen set is its starting point.
-    drafter = _check("drafter", given.get("drafter", DEFAULT_DRAFTER))
     if "layer_selection" in given:
         layer_selection = _check("layer_selection", given["layer_selection"])
     elif not lists and "profile" not in given and profile is None and n_layers >= 4:
@@ -442,18 +454,13 @@ def resolve_settings(
         skip_mlp=skip_mlp,
         source=source,
         num_hidden_layers=n_layers,
-        adaptive=(
-            pick("adaptive")
-            if drafter == "host" or "adaptive" in given
-            else False  # the device drafter drafts k fixed unless asked (adaptive: experimental)
-        ),
+        adaptive=pick("adaptive"),
         draft_confidence_threshold=pick("draft_confidence_threshold"),
         target_acceptance=pick("target_acceptance"),
         draft_sampling=pick("draft_sampling"),
         layer_selection=layer_selection,
         online_search=given.get("online_search"),
         online_profile_out=given.get("online_profile_out"),
-        drafter=drafter,
         drafts=given.get("drafts", DEFAULT_DRAFTS),
         prompt_lookup_min=lookup_min,
         prompt_lookup_max=lookup_max,

@@ -46,9 +46,9 @@ from vllm_selfspec.control.controller import expected_tokens
 from vllm_selfspec.control.step_costs import quantise_x
 
 DRAFT_SOURCES = ("layer_skip", "hybrid", "lookup")
-"""``layer_skip``: drafts from the layer-skipping forward only (the default). ``lookup``: prompt
-lookup only (no draft forward ever runs). ``hybrid``: per request and step, the better one."""
-DEFAULT_DRAFTS = "layer_skip"
+"""``layer_skip``: drafts from the layer-skipping forward only. ``lookup``: prompt lookup only (no
+draft forward ever runs). ``hybrid`` (the default): per request and step, the better one."""
+DEFAULT_DRAFTS = "hybrid"
 DEFAULT_PROMPT_LOOKUP_MIN = 2
 DEFAULT_PROMPT_LOOKUP_MAX = 4
 LOOKUP_MIN_GAIN = 0.05  # a lookup draft must beat plain decoding by this share (see above)

@@ -1,2 +1,3 @@
-"""The drafters and the forward passes they run: the layer-skip forward over the target's own
-modules, the host and device drafters, prompt-lookup drafts, the step-cost feed across TP ranks."""
+"""The drafter and the forward passes it runs: the layer-skip forward over the target's own
+modules, the drafter on vLLM's speculator machinery, prompt-lookup drafts, the step-cost feed across
+TP ranks, the compiled-draft cache and the device clock."""

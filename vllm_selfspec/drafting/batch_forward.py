@@ -1,9 +1,8 @@
 """A layer-skip forward over chosen rows of the model runner's input batch, outside vLLM's loop.
 
-Both drafters use it: the host drafter for its draft steps, and online layer selection (either
-drafter) for its scoring passes. Attention reads the target's paged cache through vLLM's own
-metadata builders (``build_metadata_for_drafting`` of the runner's attention groups), and the
-tokens' K/V goes to their slots, or nowhere (slot -1) with ``write_kv=False``.
+Online layer selection runs its scoring passes with it. Attention reads the target's paged cache
+through vLLM's own metadata builders (``build_metadata_for_drafting`` of the runner's attention
+groups), and the tokens' K/V goes to their slots, or nowhere (slot -1) with ``write_kv=False``.
 
 The forward is eager: the target's modules called by :class:`~vllm_selfspec.drafting.skip_forward.
 LayerSkipForward`, never the target's compiled graph.

@@ -1,20 +1,20 @@
-"""The device-side selfspec drafter (``"drafter": "device"``, experimental).
+"""The selfspec drafter, on every platform: layer-skip and prompt-lookup drafts on vLLM's own
+device-side speculator machinery.
 
 vLLM's own speculator machinery (``DraftModelProposer`` / ``SpecDecodeBaseProposer``) runs the
 draft: sampled tokens and drafts stay on the device, one padded draft pass per engine step,
 positions, slots and sequence lengths advance on the device between draft steps (vLLM's fused
 step kernel), no host sync per draft token, and the draft forward goes through vLLM's compilation
-path (``support_torch_compile``: inductor on CPU). The "draft model" is the target itself:
-:class:`SelfDraftModel` holds the target's modules by reference and runs the layer-skip stack, its
-attention layers are the target's own non-skipped ones (no KV pages of its own: drafts write the
-target's paged cache, and verification overwrites those slots before any full-model read), and no
-weight is loaded or copied.
+path (``support_torch_compile``: inductor on CPU, piecewise CUDA graphs on CUDA). The "draft
+model" is the target itself: :class:`SelfDraftModel` holds the target's modules by reference and
+runs the layer-skip stack, its attention layers are the target's own non-skipped ones (no KV pages
+of its own: drafts write the target's paged cache, and verification overwrites those slots before
+any full-model read), and no weight is loaded or copied.
 
-A selfspec engine asking for this drafter is configured as vLLM's ``draft_model`` method with the
-target as the draft model (:mod:`vllm_selfspec.plugin.engine_config`);
-:func:`vllm_selfspec.plugin.patches.
-install_device_drafter` has those engines' runners build this class where vLLM builds its
-``DraftModelProposer``.
+A selfspec engine is configured as vLLM's ``draft_model`` method with the target as the draft
+model (:mod:`vllm_selfspec.plugin.engine_config`), on vLLM's V1 model runner with synchronous
+scheduling; :func:`vllm_selfspec.plugin.patches.model_runner.install_device_drafter` has its runner
+build this class where vLLM builds its ``DraftModelProposer``.
 
 Differences from vLLM's ``draft_model`` (each a method below, wrapping and delegating):
 
@@ -27,17 +27,18 @@ Differences from vLLM's ``draft_model`` (each a method below, wrapping and deleg
   was reproduced). vLLM hides this by switching drafting off for the whole batch near the end; we
   do not (see ``patches.model_runner.patch_runner_input_fits_in_drafter``).
 * Draft lengths are planned per request and step before the pass (the draft-length controller:
-  per-request caps, and with ``adaptive`` the acceptance- and cost-driven plan of the host
-  drafter). The pass runs the longest planned length for every row (none at all when every
-  budget is 0) and each request's drafts are trimmed to its budget, and with ``adaptive`` before
-  the first draft whose chained top-1 probability does not pay for its verification, when the
-  engine core takes them: one host read of the pass's top-1 probabilities per step, where vLLM
-  reads the drafts anyway. Draft & Verify's confidence exit stops *drafting*; here the padded
-  pass has run (stopping it early would need a host sync per draft token) and its forwards are
-  spent, so only the verification of a draft can still be saved.
+  per-request caps, and with ``adaptive`` the acceptance- and cost-driven plan of
+  :class:`~vllm_selfspec.control.controller.DraftLengthController`). The pass runs the longest
+  planned length for every row (none at all when every budget is 0) and each request's drafts
+  are trimmed to its budget, and with ``adaptive`` before the first draft whose chained top-1
+  probability does not pay for its verification, when the engine core takes them: one host read
+  of the pass's top-1 probabilities per step, where vLLM reads the drafts anyway. Draft &
+  Verify's confidence exit stops *drafting*; here the padded pass has run (stopping it early would
+  need a host sync per draft token) and its forwards are spent, so only the verification of a
+  draft can still be saved.
 
-* With ``"drafts": "hybrid"`` (or ``"lookup"``) a request can draft by prompt lookup instead:
-  its newest n-gram matched against its own earlier tokens (vLLM's ``ngram`` kernel,
+* With ``"drafts": "hybrid"`` (the default) or ``"lookup"`` a request can draft by prompt lookup
+  instead: its newest n-gram matched against its own earlier tokens (vLLM's ``ngram`` kernel,
   :mod:`vllm_selfspec.drafting.prompt_lookup`), taken when it pays at least as well as the
   layer-skip budget (:mod:`vllm_selfspec.control.source_choice`). Lookup rows get no layer-skip
   budget, a step whose every drafting request took a lookup runs no pass, and lookup drafts reach
@@ -45,10 +46,11 @@ Differences from vLLM's ``draft_model`` (each a method below, wrapping and deleg
   (:meth:`SelfSpecDeviceProposer.take_last_draft_probs`).
 
 * With ``"layer_selection": "online"`` the skip set is searched while serving
-  (:class:`~vllm_selfspec.layers.online_scoring.OnlineSelector`, as on the host drafter): the draft
-  runs eager while the search explores (one draft model whose skip set changes between passes),
-  and each set the search settles on is compiled once and cached (CPU; on other platforms a set
-  adopted after start-up runs eager, since vLLM captures CUDA graphs only at start-up). The
+  (:class:`~vllm_selfspec.layers.online_scoring.OnlineSelector`): the draft runs eager while the
+  search explores (one draft model whose skip set changes between passes), and each set the
+  search settles on is compiled once and cached (CPU; on CUDA a set adopted after start-up runs
+  eager, since vLLM captures CUDA graphs only at start-up:
+  :class:`~vllm_selfspec.drafting.model_cache.DraftModelCache`). The
   draft's attention layers are then all of the target's, so that the attention metadata of a
   pass covers whichever set drafts.
 """
@@ -58,7 +60,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import time
 from typing import Any
 
 import torch
@@ -82,8 +83,10 @@ from vllm_selfspec.control.source_choice import (
 )
 from vllm_selfspec.control.step_costs import StepCostRecorder
 from vllm_selfspec.drafting.cost_feed import CostFeed
+from vllm_selfspec.drafting.model_cache import DraftModelCache
 from vllm_selfspec.drafting.prompt_lookup import valid_sampled
 from vllm_selfspec.drafting.skip_forward import LayerSkipForward, decoder_stack
+from vllm_selfspec.drafting.step_clock import StepClock
 from vllm_selfspec.layers.online_scoring import online_selector
 from vllm_selfspec.plugin.engine_markers import ADDITIONAL_CONFIG_KEY
 from vllm_selfspec.plugin.runner_view import RunnerView
@@ -152,17 +155,18 @@ class SelfSpecDeviceProposer(DraftModelProposer):
         self.runner_view = RunnerView(runner)  # vLLM's base class keeps no reference
         self._pending_rejected: torch.Tensor | None = None
         self._planned: int | None = None  # a pass length planned before vLLM's preparation
-        self._planned_at = 0.0  # when that plan was made
+        self._planned_at: Any = None  # when that plan was made (a StepClock mark)
         self._past_end = torch.zeros(self.max_batch_size, dtype=torch.bool, device=device)
         self._past_end_rows = torch.zeros((), dtype=torch.int64, device=device)
-        # Draft lengths: caps only (adaptive off), or the host drafter's adaptive controller.
+        # Draft lengths: caps only (adaptive off), or the adaptive controller.
         self.controller = DraftLengthController.for_settings(self.settings, self.k_max)
         self._costs = StepCostRecorder()
         self._cost_feed = CostFeed(device)
         self._budgets: dict[str, int] = {}  # this step's plan, read when the drafts are taken
         self._step_confidences: list[torch.Tensor] = []  # per draft step, [batch] top-1 probs
         self._last_req_ids: list[str] = []
-        self._last_end: float | None = None
+        self._last_end: Any = None  # the previous step's end (a StepClock mark)
+        self._clock = StepClock(device)  # host clock on CPU, CUDA events on CUDA
         self._bad_override_warned: set[str] = set()
         self.source_totals = SourceTotals()  # the per-source Prometheus counters read them
         self.counters = {
@@ -185,7 +189,7 @@ class SelfSpecDeviceProposer(DraftModelProposer):
             # lookups that paid alone but not the step's switch to verification (source_choice)
             "lookup_step_declined": 0,
             # decoding request-steps planned, and those planned no draft from either source (the
-            # benchmarks' "drafting off" share, as the host drafter counts it)
+            # benchmarks' "drafting off" share)
             "rows_considered": 0,
             "rows_off": 0,
         }
@@ -210,34 +214,43 @@ class SelfSpecDeviceProposer(DraftModelProposer):
         self.online = online_selector(self.settings, self.runner_view, vllm_config, self.k_max,
                                       self._costs, self._cost_feed.rank)
         self._explorer: SelfDraftModel | None = None
-        self._compiled: dict[tuple[frozenset[int], frozenset[int]], SelfDraftModel] = {}
+        self._models: DraftModelCache[SelfDraftModel] | None = None  # built by load_model
         self._handed_lookup: set[str] = set()
         # the runner that built this drafter gets its instance patches from
         # patches.model_runner._patch_runner_init once its constructor returns (they call into
         # this drafter)
-        logger.info("selfspec device drafter: %s, k=%d", self.settings.describe(), self.k_max)
+        logger.info("selfspec drafter: %s, k=%d", self.settings.describe(), self.k_max)
 
     # --- model ------------------------------------------------------------------------------
 
     def load_model(self, target_model: nn.Module) -> None:
-        """Build the self-draft model over ``target_model``; load nothing, allocate no KV."""
+        """Build the self-draft model over ``target_model``; load nothing, allocate no KV. The
+        model active when this returns is the one vLLM compiles (and, on CUDA, captures) at
+        start-up."""
+        from vllm.platforms import current_platform
+
+        self._target_model = target_model
+        self._models = DraftModelCache(self._build_compiled_draft,
+                                       compile_after_start=current_platform.is_cpu())
         skip_attention = frozenset(self.settings.skip_attention)
         skip_mlp = frozenset(self.settings.skip_mlp)
-        self._target_model = target_model
-        self.model = self._compiled_draft(skip_attention, skip_mlp)
-        every_layer = attention_layer_names(self.model._skip, frozenset())
         if self.online is None:
+            self.model = self._models.start_up_model((skip_attention, skip_mlp))
             # vLLM builds the pass's attention metadata for the draft's attention layers; a draft
             # that skips every attention sub-layer reads none, but vLLM needs one group to build
-            self._draft_attn_layer_names = (
-                attention_layer_names(self.model._skip, skip_attention) or every_layer
+            self._draft_attn_layer_names = attention_layer_names(
+                self.model._skip, skip_attention
+            ) or attention_layer_names(self.model._skip, frozenset())
+        else:
+            self._explorer = self._new_draft(skip_attention, skip_mlp,
+                                             tag="selfspec_draft_explore")
+            self._explorer.do_not_compile = True  # eager: its skip set changes between passes
+            self._draft_attn_layer_names = attention_layer_names(self._explorer._skip, frozenset())
+            start = self.online.attach(self._explorer._skip, target_model)
+            self.model = self._models.start_up_model(
+                (frozenset(start.attention), frozenset(start.mlp))
             )
-            return
-        self._draft_attn_layer_names = every_layer
-        self._explorer = self._new_draft(skip_attention, skip_mlp, tag="selfspec_draft_explore")
-        self._explorer.do_not_compile = True  # eager: its skip set changes between passes
-        start = self.online.attach(self.model._skip, target_model)
-        self._use_skip_set(frozenset(start.attention), frozenset(start.mlp))
+        self._models.end_start_up()
 
     def _new_draft(
         self, skip_attention: frozenset[int], skip_mlp: frozenset[int], tag: str
@@ -254,33 +267,31 @@ class SelfSpecDeviceProposer(DraftModelProposer):
                 skip_mlp=skip_mlp,
             )
 
-    def _compiled_draft(self, skip_attention: frozenset[int], skip_mlp: frozenset[int]) -> Any:
-        """The draft model of this skip set through vLLM's compilation path (compiled at its
-        first pass), built once per set."""
-        key = (skip_attention, skip_mlp)
-        model = self._compiled.get(key)
-        if model is None:
-            # One compile-cache tag per skip set: a compiled graph bakes the skip set in.
-            tag = "selfspec_draft_a{}_m{}".format(
-                "-".join(map(str, sorted(skip_attention))) or "none",
-                "-".join(map(str, sorted(skip_mlp))) or "none",
-            )
-            model = self._compiled[key] = self._new_draft(skip_attention, skip_mlp, tag)
-        return model
+    def _build_compiled_draft(self, key: Any) -> SelfDraftModel:
+        """The draft model of skip set ``key`` through vLLM's compilation path (compiled at its
+        first pass); one compile-cache tag per set: a compiled graph bakes the skip set in."""
+        skip_attention, skip_mlp = key
+        tag = "selfspec_draft_a{}_m{}".format(
+            "-".join(map(str, sorted(skip_attention))) or "none",
+            "-".join(map(str, sorted(skip_mlp))) or "none",
+        )
+        return self._new_draft(skip_attention, skip_mlp, tag)
 
     def _use_skip_set(self, skip_attention: frozenset[int], skip_mlp: frozenset[int]) -> None:
         """Online selection: draft with this set from the next pass on: its compiled draft when
-        there is one or the search has settled on it (CPU), else the eager explorer."""
-        from vllm.platforms import current_platform
-
+        there is one, or when the search has settled on it and the platform allows compiling it
+        now (:class:`~vllm_selfspec.drafting.model_cache.DraftModelCache`), else the eager
+        explorer."""
         assert self.online is not None and self._explorer is not None
-        model = self._compiled.get((skip_attention, skip_mlp))
-        if model is None and not self.online.searching and current_platform.is_cpu():
-            model = self._compiled_draft(skip_attention, skip_mlp)
-            logger.info(
-                "selfspec online: compiling the draft of the chosen set (attention %s, MLP %s)",
-                sorted(skip_attention), sorted(skip_mlp),
-            )
+        key = (skip_attention, skip_mlp)
+        model = self._models.cached(key)
+        if model is None and not self.online.searching:
+            model = self._models.settled_model(key)
+            if model is not None:
+                logger.info(
+                    "selfspec online: compiling the draft of the chosen set (attention %s, MLP "
+                    "%s)", sorted(skip_attention), sorted(skip_mlp),
+                )
         if model is None:
             model = self._explorer
             model.skip_attention, model.skip_mlp = skip_attention, skip_mlp
@@ -308,14 +319,17 @@ class SelfSpecDeviceProposer(DraftModelProposer):
             # A pass planned before vLLM's preparation of its inputs is charged that preparation
             # too: a step without a pass skips it
             # (patches.model_runner.patch_runner_propose_without_drafts).
-            pass_start = self._planned_at if planned else time.perf_counter()
+            pass_start = self._planned_at if planned else self._clock.mark()
             drafts = super().propose(
                 *args, num_speculative_tokens=k_step, num_rejected_tokens_gpu=None, **kwargs
             )
-            # CPU: the pass ran synchronously, so this is its time (one forward = its share);
-            # the planning before it runs on plain steps too and is not a draft forward's cost
-            pass_s = time.perf_counter() - pass_start
-            self._costs.observe_draft(cad.batch_size(), pass_s / k_step)
+            # the pass's time on the device (one forward = its share); the planning before it
+            # runs on plain steps too and is not a draft forward's cost
+            batch = cad.batch_size()
+            self._clock.measure(
+                pass_start, self._clock.mark(),
+                lambda s, batch=batch, k=k_step: self._costs.observe_draft(batch, s / k),
+            )
         self._end_step()
         return drafts
 
@@ -331,7 +345,7 @@ class SelfSpecDeviceProposer(DraftModelProposer):
         k_step = self._begin_step(num_rejected, k_limit)
         if k_step > 0:
             self._planned = k_step
-            self._planned_at = time.perf_counter()
+            self._planned_at = self._clock.mark()
             return None
         self.counters["prepare_skipped"] += 1
         drafts = self._no_pass(batch_size)
@@ -341,7 +355,8 @@ class SelfSpecDeviceProposer(DraftModelProposer):
     def _begin_step(self, num_rejected: torch.Tensor | None, k_limit: int) -> int:
         """Observe the verification of last step's drafts and the step's cost; plan this step's
         budgets; returns the pass length."""
-        start = time.perf_counter()
+        start = self._clock.mark()
+        self._clock.collect()  # the intervals the device has finished since the last step
         req_ids = self.runner_view.req_ids
         discarded = self._discarded(len(req_ids))
         verified, observation = self._observe(req_ids, discarded, num_rejected)
@@ -351,7 +366,11 @@ class SelfSpecDeviceProposer(DraftModelProposer):
         # The gap since the previous pass is one verification step only while the same requests
         # keep decoding (a changed batch means prefills or an idle engine in between).
         if self._last_end is not None and req_ids == self._last_req_ids and not any(discarded):
-            self._costs.observe_verify(len(req_ids), verified, start - self._last_end)
+            batch = len(req_ids)
+            self._clock.measure(
+                self._last_end, start,
+                lambda s, batch=batch, x=verified: self._costs.observe_verify(batch, x, s),
+            )
         self._last_req_ids = req_ids
         self.counters["steps"] += 1
         self._step_confidences = []
@@ -393,7 +412,7 @@ class SelfSpecDeviceProposer(DraftModelProposer):
 
     def _end_step(self) -> None:
         self._cost_feed.step(self._costs, self.controller)
-        self._last_end = time.perf_counter()
+        self._last_end = self._clock.mark()
 
     # --- draft lengths ----------------------------------------------------------------------
 
@@ -613,9 +632,11 @@ class SelfSpecDeviceProposer(DraftModelProposer):
         from vllm.v1.sample.sampler import _SAMPLING_EPS
 
         greedy = temperature < _SAMPLING_EPS
-        scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature).view(
-            -1, 1
-        ).to(logits.dtype)
+        # float32 first, as the target's sampler scales and truncates float32 logits (and vLLM's
+        # CUDA top-k / top-p kernel, Triton, takes float32 only)
+        scaled = logits.float() / torch.where(
+            greedy, torch.ones_like(temperature), temperature
+        ).view(-1, 1).float()
         truncated = apply_top_k_top_p(scaled, top_k, top_p)
         # sampled at temperature 1 from here on (greedy rows keep theirs: argmax, which the
         # truncation keeps)
@@ -785,6 +806,6 @@ class SelfSpecDeviceProposer(DraftModelProposer):
             # the draft model of the latest pass: through vLLM's compilation ("compiled", once
             # it has run) or eager (tests' enforce_eager, or online selection exploring)
             "draft_model": "compiled" if getattr(self.model, "compiled", False) else "eager",
-            "compiled_drafts": len(self._compiled),
+            "compiled_drafts": len(self._models) if self._models is not None else 0,
             "online": self.online.stats() if self.online is not None else None,
         }

@@ -12,7 +12,6 @@ from typing import Any
 from vllm_selfspec.config import SELFSPEC_KEYS, resolve_settings
 from vllm_selfspec.errors import SelfSpecConfigError
 from vllm_selfspec.layers.profiles import ModelFingerprint
-from vllm_selfspec.plugin.engine_markers import PROPOSER_PATH
 
 logger = logging.getLogger("vllm.selfspec.engine_config")
 
@@ -61,50 +60,60 @@ def rewrite_selfspec_request(
         _text_config(model_config), name=str(model_config.model)
     )
     settings = resolve_settings(own, fingerprint, num_speculative_tokens)
+    choose_async_scheduling(engine_args)
     logger.info(
         "selfspec: drafting with %d of %d attention and %d of %d MLP sub-layers skipped "
-        "(%s), num_speculative_tokens=%d, adaptive=%s, draft sampling=%s, layer selection=%s",
+        "(%s), drafts=%s, num_speculative_tokens=%d, adaptive=%s, draft sampling=%s, layer "
+        "selection=%s",
         len(settings.skip_attention),
         settings.num_hidden_layers,
         len(settings.skip_mlp),
         settings.num_hidden_layers,
         settings.source,
+        settings.drafts,
         settings.num_speculative_tokens,
         settings.adaptive,
         settings.draft_sampling,
         settings.layer_selection,
     )
 
-    if settings.drafter == "device":
-        from vllm.platforms import current_platform
-
-        if not current_platform.is_cpu():
-            raise SelfSpecConfigError(
-                "drafter 'device' is experimental and runs on vLLM's CPU build only so far (on "
-                "CUDA vLLM picks its V2 model runner for draft_model, which it does not hook "
-                "yet); use drafter 'host'"
-            )
-        # vLLM's draft-model path with the target as its own draft model; the runner patch
-        # (patches.model_runner.install_device_drafter) swaps our proposer in, which loads no
-        # weights and allocates no KV of its own.
-        vllm_spec = {
-            **passthrough,
-            "method": "draft_model",
-            "model": model_config.model,
-            "num_speculative_tokens": settings.num_speculative_tokens,
-            "draft_tensor_parallel_size": getattr(parallel_config, "tensor_parallel_size", 1),
-            "draft_sample_method": (
-                "probabilistic" if settings.draft_sampling == "probabilistic" else "greedy"
-            ),
-        }
-        return vllm_spec, settings.to_dict()
+    # vLLM's draft-model path with the target as its own draft model; the runner patch
+    # (patches.model_runner.install_device_drafter) swaps our proposer in, which loads no
+    # weights and allocates no KV of its own.
     vllm_spec = {
         **passthrough,
-        "method": "custom_class",
-        "model": PROPOSER_PATH,
+        "method": "draft_model",
+        "model": model_config.model,
         "num_speculative_tokens": settings.num_speculative_tokens,
+        "draft_tensor_parallel_size": getattr(parallel_config, "tensor_parallel_size", 1),
+        "draft_sample_method": (
+            "probabilistic" if settings.draft_sampling == "probabilistic" else "greedy"
+        ),
     }
     return vllm_spec, settings.to_dict()
+
+
+def choose_async_scheduling(engine_args: Any) -> None:
+    """selfspec engines run with async scheduling off, set here (before vLLM builds its scheduler
+    config from ``engine_args``): under async scheduling vLLM's scheduler fills each request's
+    drafts with placeholders and never hands the drafter's per-request draft lengths, lookup
+    drafts and verification counts back through ``take_draft_token_ids``; per-request budgets,
+    prompt lookup and the draft-length controller would not run (see docs/cuda.md). vLLM turns
+    async scheduling on by default for ``draft_model`` on CUDA; the CPU platform turns it off for
+    every engine. An explicit ``--async-scheduling`` is refused rather than silently dropped."""
+    if getattr(engine_args, "async_scheduling", None):
+        raise SelfSpecConfigError(
+            "selfspec does not support async scheduling yet (async_scheduling=True): its "
+            "per-request draft lengths, prompt-lookup drafts and draft-length controller need the "
+            "synchronous path, where vLLM hands the drafts back to the drafter before "
+            "scheduling them. Remove --async-scheduling (selfspec turns it off itself)."
+        )
+    if hasattr(engine_args, "async_scheduling"):
+        engine_args.async_scheduling = False
+        logger.info(
+            "selfspec: async scheduling off for this engine (selfspec's per-request draft "
+            "lengths and lookup drafts run on vLLM's synchronous scheduling path)"
+        )
 
 
 def _text_config(model_config: Any) -> Any:

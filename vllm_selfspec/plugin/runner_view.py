@@ -1,11 +1,11 @@
 """The one reader of vLLM's model-runner internals.
 
-The drafters, the batched skip forward and online layer selection see the running batch through
+The drafter, the batched skip forward and online layer selection see the running batch through
 :class:`RunnerView` alone: which requests hold which rows, their token tables, the draft tokens
 scheduled for verification, the paged-cache block tables and attention groups, each request's
 ``extra_args``, and the rows whose sample this step is discarded. A vLLM that renames one of these
 fields is fixed here. The one field it writes is the draft distribution that vLLM's rejection
-sampler reads after the host drafter's ``propose``.
+sampler reads (reset on a step in which the drafter runs no pass).
 
 The wrappers around runner *methods* (:mod:`vllm_selfspec.plugin.patches.model_runner`) hold the
 raw runner: they replace its attributes, which is a patch's job, not a reader's.
@@ -13,7 +13,6 @@ raw runner: they replace its attributes, which is a patch's job, not a reader's.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -109,22 +108,3 @@ class RunnerView:
         """``probs[i, j]``: the distribution draft ``j`` of ``req_ids[i]`` was sampled from."""
         self.runner._draft_probs = probs
         self.runner._draft_prob_req_ids = req_ids
-
-
-def find_model_runner() -> Any:
-    """The ``GPUModelRunner`` (or subclass) constructing the current object.
-
-    vLLM passes a ``custom_class`` proposer only ``vllm_config``; the runner, which owns the input
-    batch, block tables and attention groups, is found on the constructor's call stack."""
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    frame = inspect.currentframe()
-    while frame is not None:
-        candidate = frame.f_locals.get("self")
-        if isinstance(candidate, GPUModelRunner):
-            return candidate
-        frame = frame.f_back
-    raise RuntimeError(
-        "SelfSpecProposer must be created by vLLM's model runner (V1 GPUModelRunner or a "
-        "subclass such as the CPU runner)"
-    )

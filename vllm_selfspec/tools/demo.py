@@ -42,7 +42,7 @@ def run_engine(
     repeats: int,
     spec: dict | None,
     batch: int,
-    compile_model: bool = False,
+    compile_model: bool = True,
     max_model_len: int = 2048,
 ) -> RunResult:
     from vllm import LLM, SamplingParams
@@ -108,8 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--speculative-config",
-        default='{"method": "selfspec", "num_speculative_tokens": 4}',
-        help="selfspec speculative config JSON (as for vllm serve)",
+        default='{"method": "selfspec"}',
+        help="selfspec speculative config JSON (as for vllm serve; default: selfspec's defaults, "
+        "hybrid drafts with the model's shipped profile)",
     )
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-model-len", type=int, default=2048)
@@ -117,9 +118,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=2, help="timed passes per engine")
     parser.add_argument(
-        "--compile",
+        "--enforce-eager",
         action="store_true",
-        help="let vLLM torch.compile the model (slower start; the draft path stays eager)",
+        help="run both engines eager (vLLM's enforce_eager; by default both run in vLLM's "
+        "default, compiled mode, as users run them)",
+    )
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show vLLM's log (by default only errors, so that the result is not buried)",
     )
     parser.add_argument(
         "--insert-zero-layers",
@@ -134,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         help="also write the result (speeds, spec-decode counters, identical outputs) as JSON",
     )
     args = parser.parse_args(argv)
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    quiet(verbose=args.verbose)
 
     from transformers import AutoTokenizer
 
@@ -169,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         args.repeats,
         None,
         args.batch_size,
-        args.compile,
+        not args.enforce_eager,
         args.max_model_len,
     )
     print(f"running selfspec {json.dumps(spec)} ...", flush=True)
@@ -180,14 +187,16 @@ def main(argv: list[str] | None = None) -> int:
         args.repeats,
         spec,
         args.batch_size,
-        args.compile,
+        not args.enforce_eager,
         args.max_model_len,
     )
 
     identical = sum(a == b for a, b in zip(plain.outputs, fast.outputs, strict=True))
     plain_tps = statistics.median(plain.tokens_per_s)
     fast_tps = statistics.median(fast.tokens_per_s)
+    mode = "eager (--enforce-eager)" if args.enforce_eager else "vLLM's default (compiled)"
     print()
+    print(f"=== result: {len(prompts)} prompts, both engines in {mode} mode ===")
     print(f"plain vLLM decoding : {plain_tps:8.1f} tokens/s")
     print(f"selfspec            : {fast_tps:8.1f} tokens/s")
     print(f"speedup             : {fast_tps / plain_tps:8.2f}x")
@@ -222,6 +231,19 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
     return 0 if identical == len(prompts) else 1
+
+
+def quiet(verbose: bool = False) -> None:
+    """Engine logs and library warnings off (errors stay), for this process and the engine
+    processes it starts, unless ``verbose`` or the user set ``VLLM_LOGGING_LEVEL``."""
+    if verbose:
+        return
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    import warnings
+
+    warnings.simplefilter("ignore")
 
 
 def source_split(by_source: dict[str, dict[str, float]], draft_tokens: int) -> str:

@@ -5,7 +5,7 @@ installed only when the installed vLLM lies in :data:`SUPPORTED_VLLM`. None of t
 behaviour of an engine that did not ask for ``"method": "selfspec"``.
 
 * :mod:`.speculative_config` (``EngineArgs``, ``VllmConfig``): 1. the ``selfspec`` method
-  alias; 2. lookahead KV slots.
+  alias; 2. the V1 model runner for selfspec engines.
 * :mod:`.cpu_sampler` (samplers of the CPU build): 3. ``expand_batch_to_tokens``; 6. top-k-only
   sampling on an empty batch of draft tokens; 11. cheap recovered-token noise for selfspec
   runners' rejection sampling.
@@ -30,7 +30,7 @@ from vllm_selfspec.plugin.patches.front_end import install_metrics, install_requ
 from vllm_selfspec.plugin.patches.model_runner import install_device_drafter
 from vllm_selfspec.plugin.patches.speculative_config import (
     _patch_create_speculative_config,
-    _patch_num_lookahead_tokens,
+    _patch_v1_model_runner,
 )
 
 logger = logging.getLogger("vllm.selfspec.patches")
@@ -81,7 +81,7 @@ def apply_patches() -> None:
         _patch_create_speculative_config(unsupported=problem)
         return
     _patch_create_speculative_config()
-    _patch_num_lookahead_tokens()
+    _patch_v1_model_runner()
     _patch_cpu_expand_batch_to_tokens()
     _patch_cpu_empty_top_k_only()
     _patch_cpu_recovered_token_noise()

@@ -35,7 +35,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from vllm_selfspec.plugin.engine_markers import is_selfspec_config, wants_device_drafter
+from vllm_selfspec.plugin.engine_markers import is_selfspec_engine
 from vllm_selfspec.plugin.patches._shared import already_wrapped, install
 
 logger = logging.getLogger("vllm.selfspec.patches")
@@ -64,8 +64,7 @@ def install_metrics(only_if_imported: bool = False) -> None:
     def __init__(self, vllm_config, *args, **kwargs):
         original(self, vllm_config, *args, **kwargs)
 
-        spec = getattr(vllm_config, "speculative_config", None)
-        if not (is_selfspec_config(spec) or wants_device_drafter(vllm_config)):
+        if not is_selfspec_engine(vllm_config):
             return
         try:
             self.stat_loggers.append(SelfSpecStatLogger(vllm_config, self.engine_indexes))
@@ -170,10 +169,9 @@ def request_error_type() -> type[ValueError]:
 
 def selfspec_k_max(vllm_config: Any) -> int | None:
     """The engine's maximum draft length (what the drafter uses), None for other engines."""
-    spec = getattr(vllm_config, "speculative_config", None)
-    if not (is_selfspec_config(spec) or wants_device_drafter(vllm_config)):
+    if not is_selfspec_engine(vllm_config):
         return None
-    return int(spec.num_speculative_tokens)
+    return int(vllm_config.speculative_config.num_speculative_tokens)
 
 
 def check_request_overrides(extra_args: Mapping[str, Any] | None, k_max: int) -> None:

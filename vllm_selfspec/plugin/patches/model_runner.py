@@ -22,7 +22,7 @@ per-instance patches of selfspec runners.
    ``propose_draft_token_ids`` (:func:`patch_runner_propose_without_drafts`): a step whose
    plan runs no draft pass skips vLLM's draft-input preparation. Can go once vLLM lets a plugin
    register a speculator class that the runner builds.
-9. ``GPUModelRunner._sample`` (per runner instance, selfspec runners only, both drafters): a step
+9. ``GPUModelRunner._sample`` (per runner instance, selfspec runners only): a step
    in which no request has drafts is sampled by vLLM's plain sampler, as a plain engine samples
    it, instead of going through the rejection sampler (see
    :func:`patch_runner_sample_without_drafts`); a step with drafts runs inside patch 11's scope
@@ -47,7 +47,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from vllm_selfspec.plugin.engine_markers import wants_device_drafter
+from vllm_selfspec.plugin.engine_markers import is_selfspec_engine
 from vllm_selfspec.plugin.patches._shared import already_wrapped, install
 from vllm_selfspec.plugin.patches.cpu_sampler import cheap_recovered_token_noise
 from vllm_selfspec.plugin.runner_view import RunnerView
@@ -158,7 +158,7 @@ def _patch_runner_init(module: Any) -> None:
 
     @functools.wraps(original)
     def __init__(self, vllm_config, *args, **kwargs):
-        if not wants_device_drafter(vllm_config):
+        if not is_selfspec_engine(vllm_config):
             return original(self, vllm_config, *args, **kwargs)
         from vllm_selfspec.drafting.device_drafter import SelfSpecDeviceProposer
 
@@ -171,8 +171,9 @@ def _patch_runner_init(module: Any) -> None:
         drafter = getattr(self, "drafter", None)
         if not isinstance(drafter, SelfSpecDeviceProposer):
             raise RuntimeError(
-                "selfspec: vLLM's model runner did not build the device drafter (this vLLM "
-                "version builds its draft-model proposer elsewhere); use drafter 'host'"
+                "selfspec: vLLM's model runner did not build the selfspec drafter (this vLLM "
+                "version builds its draft-model proposer elsewhere); install a vLLM that "
+                "vllm-selfspec supports"
             )
         _patch_device_drafter_runner(self, drafter)
 
@@ -230,11 +231,13 @@ def patch_runner_take_draft_token_ids(runner: Any, trim: Any) -> None:
 def rejected_from_sampled(sampled_token_ids: Any, num_draft_tokens: Any) -> torch.Tensor:
     """Per row, the drafts rejected this step, as vLLM's ``prepare_inputs_padded`` counts them:
     ``drafted + 1 - valid`` where a row had drafts (valid: sampled tokens that are not the
-    ``-1`` padding of rejected positions), else 0. ``sampled_token_ids``: the padded tensor (a
-    host tensor on CPU) or vLLM's per-row lists."""
+    ``-1`` padding of rejected positions), else 0. ``sampled_token_ids``: the padded tensor (on
+    the host on CPU, on the GPU under CUDA's synchronous scheduling: the result is on the same
+    device) or vLLM's per-row lists."""
     import torch
 
-    drafted = torch.as_tensor(list(num_draft_tokens), dtype=torch.int32)
+    device = sampled_token_ids.device if isinstance(sampled_token_ids, torch.Tensor) else None
+    drafted = torch.as_tensor(list(num_draft_tokens), dtype=torch.int32, device=device)
     rows = drafted.shape[0]
     if isinstance(sampled_token_ids, torch.Tensor):
         valid = (sampled_token_ids[:rows] >= 0).sum(dim=1, dtype=torch.int32)

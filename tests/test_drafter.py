@@ -1,4 +1,5 @@
-"""End-to-end tests of the device drafter (``"drafter": "device"``) against plain vLLM decoding.
+"""End-to-end tests of the drafter's layer-skip pass (``"drafts": "layer_skip"``) against plain
+vLLM decoding (prompt-lookup drafts: tests/test_hybrid_drafts.py).
 
 The drafter runs on vLLM's own ``draft_model`` machinery with the target as its own draft model
 (see :mod:`vllm_selfspec.drafting.device_drafter`). Every test compares with a plain engine of the
@@ -32,7 +33,8 @@ EXT = {"worker_extension_cls": DRAFTER_PROBE_EXTENSION}
 
 
 def _spec(cfg: dict[str, Any]) -> dict[str, Any]:
-    return {"method": "selfspec", "drafter": "device", **cfg}
+    # layer-skip drafts only, k fixed unless cfg says: the pass is what this module tests
+    return {"method": "selfspec", "drafts": "layer_skip", "adaptive": False, **cfg}
 
 
 @pytest.fixture(scope="module")
