@@ -13,6 +13,7 @@ from vllm_selfspec.control.controller import expected_tokens
 from vllm_selfspec.control.source_choice import (
     LookupAcceptance,
     StepDrafts,
+    choose_lookups,
     lookup_length,
     lookup_lengths_for_the_step,
 )
@@ -146,6 +147,41 @@ def test_a_step_that_verifies_drafts_anyway_takes_a_lone_lookup():
     drafting = StepDrafts(tokens=16.0, drafts=64, pass_len=4)
     assert _step([GOOD], others=drafting, draft_cost=0.05) == [3]
     assert _step([], others=drafting, draft_cost=0.05) == []
+
+
+def _choice(hybrid: bool, budgets: list[int], found: dict[str, list[int]], verify_slope: float,
+            draft: float = 0.9):
+    """:func:`choose_lookups` with a controller whose costs are known (a plain step 1, each
+    draft token per request verified for ``verify_slope`` more, a draft forward ``draft``)."""
+    from vllm_selfspec.control.controller import ControllerConfig, DraftLengthController
+    from vllm_selfspec.control.step_costs import StepCosts, bucket
+
+    ctl = DraftLengthController(ControllerConfig(k_max=4, explore_interval=0))
+    req_ids = [f"r{i}" for i in range(len(budgets))]
+    b = bucket(len(req_ids))
+    ctl.set_step_costs(StepCosts(verify={(b, float(x)): 1.0 + verify_slope * x for x in range(9)},
+                                 draft={b: draft}))
+    return choose_lookups(ctl, LookupAcceptance(), hybrid=hybrid, req_ids=req_ids,
+                          budgets=budgets, found=found, k_limit=4)
+
+
+def test_choose_lookups_lookup_mode_takes_every_lookup_cut_to_its_cap():
+    found = {"r0": [1, 2, 3, 4, 5, 6], "r1": [7, 8]}
+    choice = _choice(False, [0, 0], found, verify_slope=10.0)  # prices do not matter here
+    assert choice.drafts == {"r0": [1, 2, 3, 4], "r1": [7, 8]} and choice.declined == 0
+
+
+def test_choose_lookups_hybrid_follows_the_prices():
+    found = {"r0": [1, 2, 3, 4], "r1": [5, 6, 7]}
+    # verification nearly free, draft forwards dear: every lookup found is taken
+    cheap = _choice(True, [0, 0], found, verify_slope=0.01)
+    assert set(cheap.drafts) == {"r0", "r1"}
+    # verification dearer than anything a lookup can land: none is taken, and the requests
+    # without a layer-skip budget are counted as declined for the step or cut to nothing
+    dear = _choice(True, [0, 0], found, verify_slope=5.0)
+    assert dear.drafts == {}
+    # nothing found: nothing chosen
+    assert _choice(True, [2, 2], {}, verify_slope=0.01).drafts == {}
 
 
 def test_acceptance_per_request_from_the_engine_prior():

@@ -39,10 +39,11 @@ Pure Python: importable without vLLM or torch.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from vllm_selfspec.control.controller import expected_tokens
+from vllm_selfspec.control.controller import DraftLengthController, expected_tokens
 from vllm_selfspec.control.step_costs import quantise_x
 
 DRAFT_SOURCES = ("layer_skip", "hybrid", "lookup")
@@ -247,3 +248,129 @@ def lookup_lengths_for_the_step(
     for _, row in tokens[:best_n]:
         lengths[row] += 1
     return lengths
+
+
+@dataclass
+class LookupChoice:
+    """A step's lookup drafts by request, and how many lookups that paid alone were declined
+    because they did not pay for the step's switch to verification."""
+
+    drafts: dict[str, list[int]]
+    declined: int = 0
+
+
+def choose_lookups(
+    controller: DraftLengthController,
+    acceptance: LookupAcceptance,
+    *,
+    hybrid: bool,
+    req_ids: Sequence[str],
+    budgets: Sequence[int],
+    found: Mapping[str, list[int]],
+    k_limit: int,
+) -> LookupChoice:
+    """The requests that draft by prompt lookup this step, with their drafts.
+
+    ``hybrid`` False (``"drafts": "lookup"``): every request with a lookup draft, cut to its cap.
+    Hybrid: each request's lookup draft cut to the length that pays best priced as if every
+    request of the batch verified as many (:func:`lookup_length`: against the layer-skip budget
+    ``budgets`` planned, or plain decoding), a bound whatever the rest of the batch does; then the
+    lookups of requests without a budget are weighed for the step as a whole
+    (:func:`lookup_lengths_for_the_step`). None on the controller's plain-step measurements."""
+    if not found or controller.explored_last_plan:
+        return LookupChoice({})
+    batch = len(req_ids)
+    draft_cost = controller.cost_ratio(batch) if hybrid else 0.0
+    verify = (
+        [controller.verify_cost_ratio(batch, k) for k in range(controller.config.k_max + 1)]
+        if hybrid
+        else []
+    )
+    chosen: dict[str, list[int]] = {}
+    landing: dict[str, list[float]] = {}  # hybrid: each chosen lookup's landing probabilities
+    for req_id, budget in zip(req_ids, budgets, strict=True):
+        tokens = found.get(req_id)
+        cap = min(controller.request_cap(req_id), k_limit, controller.config.k_max)
+        if not tokens or cap <= 0:
+            continue
+        tokens = tokens[:cap]
+        if hybrid:
+            probs = acceptance.landing(req_id, len(tokens))
+            n = lookup_length(
+                lookup_landing=probs,
+                skip_acceptance=controller.request_acceptance(req_id),
+                skip_budget=budget,
+                verify_cost=verify.__getitem__,
+                draft_cost=draft_cost,
+                min_gain=LOOKUP_MIN_GAIN,
+            )
+            tokens, landing[req_id] = tokens[:n], probs[:n]
+        if tokens:
+            chosen[req_id] = tokens
+    if not (hybrid and chosen):
+        return LookupChoice(chosen)
+    return _lookups_paying_the_step(controller, req_ids, budgets, chosen, landing, draft_cost)
+
+
+def verify_price(controller: DraftLengthController, batch: int, x: float) -> float:
+    """A step verifying ``x`` draft tokens per request, in plain steps; beyond the controller's
+    ramp (:meth:`~vllm_selfspec.control.controller.DraftLengthController.draft_limit`) infinite,
+    so that the lookups weighed for the step are bounded as layer-skip plans are. The bound is on
+    the step's draft tokens per request, not on each lookup: where few requests find a lookup,
+    the step's ``x`` (and so the ramp) stays small, and a per-lookup cap of the ramp's 1 token
+    would never have grown."""
+    if x > controller.draft_limit(batch) + 1e-9:
+        return math.inf
+    return controller.verify_cost_ratio(batch, x)
+
+
+def _lookups_paying_the_step(
+    controller: DraftLengthController,
+    req_ids: Sequence[str],
+    budgets: Sequence[int],
+    chosen: dict[str, list[int]],
+    landing: dict[str, list[float]],
+    draft_cost: float,
+) -> LookupChoice:
+    """The chosen lookups cut to what pays for the step as a whole
+    (:func:`lookup_lengths_for_the_step`). A lookup taken in place of a layer-skip budget stays
+    (that request drafts either way); the lookups of requests that would otherwise not draft are
+    weighed token by token. ``landing``: each chosen lookup's landing probabilities, one per
+    draft token."""
+    others = StepDrafts()
+    weighed: list[str] = []
+    for req_id, budget in zip(req_ids, budgets, strict=True):
+        tokens = chosen.get(req_id)
+        if tokens is not None:
+            if budget <= 0:
+                weighed.append(req_id)
+                continue
+            expected = 1.0 + sum(landing[req_id])
+            drafts, pass_len = len(tokens), 0
+        elif budget > 0:
+            expected = expected_tokens(controller.request_acceptance(req_id), budget)
+            drafts, pass_len = budget, budget
+        else:
+            continue
+        others = StepDrafts(others.tokens + expected - 1.0, others.drafts + drafts,
+                            max(others.pass_len, pass_len))
+    if not weighed:
+        return LookupChoice(chosen)
+    batch = len(req_ids)
+    lengths = lookup_lengths_for_the_step(
+        batch_size=batch,
+        lookups=[landing[r] for r in weighed],
+        others=others,
+        verify_cost=lambda x: verify_price(controller, batch, x),
+        draft_cost=draft_cost,
+        min_gain=LOOKUP_MIN_GAIN,
+    )
+    out = dict(chosen)
+    declined = 0
+    for req_id, n in zip(weighed, lengths, strict=True):
+        if n > 0:
+            out[req_id] = chosen[req_id][:n]
+        else:
+            del out[req_id]
+            declined += 1
+    return LookupChoice(out, declined)

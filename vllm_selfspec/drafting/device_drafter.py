@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from typing import Any
 
 import torch
@@ -70,17 +69,10 @@ from vllm.v1.spec_decode.draft_model import DraftModelProposer
 from vllm_selfspec.config import SelfSpecSettings
 from vllm_selfspec.control.controller import (
     DraftLengthController,
-    expected_tokens,
     running_request_overrides,
 )
 from vllm_selfspec.control.observation import SourceTotals, StepObservation, Verification
-from vllm_selfspec.control.source_choice import (
-    LOOKUP_MIN_GAIN,
-    LookupAcceptance,
-    StepDrafts,
-    lookup_length,
-    lookup_lengths_for_the_step,
-)
+from vllm_selfspec.control.source_choice import LookupAcceptance, choose_lookups
 from vllm_selfspec.control.step_costs import StepCostRecorder
 from vllm_selfspec.drafting.cost_feed import CostFeed
 from vllm_selfspec.drafting.model_cache import DraftModelCache
@@ -487,7 +479,16 @@ class SelfSpecDeviceProposer(DraftModelProposer):
         )
         budgets = self.controller.plan(req_ids, overrides=overrides)
         self.counters["lookup_found"] += len(found)
-        self._lookups = self._choose_lookups(req_ids, budgets, k_limit, found)
+        if found:
+            assert self.lookup_acceptance is not None
+            choice = choose_lookups(
+                self.controller, self.lookup_acceptance, hybrid=self.settings.drafts == "hybrid",
+                req_ids=req_ids, budgets=budgets, found=found, k_limit=k_limit,
+            )
+            self._lookups = choice.drafts
+            self.counters["lookup_step_declined"] += choice.declined
+        else:
+            self._lookups = {}
         if self.settings.drafts == "lookup":  # prompt lookup only: no layer-skip pass ever
             budgets = [0] * len(budgets)
         elif self._lookups:
@@ -500,116 +501,6 @@ class SelfSpecDeviceProposer(DraftModelProposer):
             1 for r, b in zip(req_ids, budgets, strict=True) if b <= 0 and r not in self._lookups
         )
         return max(0, min(max(budgets, default=0), k_limit, self.k_max))
-
-    def _choose_lookups(
-        self, req_ids: list[str], budgets: list[int], k_limit: int, found: dict[str, list[int]]
-    ) -> dict[str, list[int]]:
-        """The requests that draft by prompt lookup this step, with their drafts: every request
-        with a lookup draft for ``drafts`` lookup; for hybrid, each request's lookup draft cut
-        to the length that pays best priced as if every request of the batch verified as many
-        (:func:`vllm_selfspec.control.source_choice.lookup_length`: against the layer-skip
-        budget, or plain decoding), a bound whatever the rest of the batch does; then the
-        lookups of requests without a budget are weighed for the step as a whole
-        (:meth:`_lookups_paying_the_step`). None on the controller's plain-step
-        measurements."""
-        if not found or self.controller.explored_last_plan:
-            return {}
-        assert self.lookup_acceptance is not None
-        batch = len(req_ids)
-        hybrid = self.settings.drafts == "hybrid"
-        draft_cost = self.controller.cost_ratio(batch) if hybrid else 0.0
-        verify = (
-            [self.controller.verify_cost_ratio(batch, k) for k in range(self.k_max + 1)]
-            if hybrid
-            else []
-        )
-        chosen = {}
-        landing: dict[str, list[float]] = {}  # hybrid: each chosen lookup's landing probabilities
-        for req_id, budget in zip(req_ids, budgets, strict=True):
-            tokens = found.get(req_id)
-            cap = min(self.controller.request_cap(req_id), k_limit, self.k_max)
-            if not tokens or cap <= 0:
-                continue
-            tokens = tokens[:cap]
-            if hybrid:
-                probs = self.lookup_acceptance.landing(req_id, len(tokens))
-                n = lookup_length(
-                    lookup_landing=probs,
-                    skip_acceptance=self.controller.request_acceptance(req_id),
-                    skip_budget=budget,
-                    verify_cost=verify.__getitem__,
-                    draft_cost=draft_cost,
-                    min_gain=LOOKUP_MIN_GAIN,
-                )
-                tokens, landing[req_id] = tokens[:n], probs[:n]
-            if tokens:
-                chosen[req_id] = tokens
-        if hybrid and chosen:
-            chosen = self._lookups_paying_the_step(req_ids, budgets, chosen, landing, draft_cost)
-        return chosen
-
-    def _verify_price(self, batch: int, x: float) -> float:
-        """A step verifying ``x`` draft tokens per request, in plain steps; beyond the
-        controller's ramp (:meth:`~vllm_selfspec.control.controller.DraftLengthController.
-        draft_limit`) infinite, so that the lookups weighed for the step are bounded as
-        layer-skip plans are. The bound is on the step's draft tokens per request, not on each
-        lookup: where few requests find a lookup, the step's ``x`` (and so the ramp) stays
-        small, and a per-lookup cap of the ramp's 1 token would never have grown (a test
-        batch larger than its cost table's buckets drafted 2% of its tokens by lookup, over 5%
-        before)."""
-        if x > self.controller.draft_limit(batch) + 1e-9:
-            return math.inf
-        return self.controller.verify_cost_ratio(batch, x)
-
-    def _lookups_paying_the_step(
-        self,
-        req_ids: list[str],
-        budgets: list[int],
-        chosen: dict[str, list[int]],
-        landing: dict[str, list[float]],
-        draft_cost: float,
-    ) -> dict[str, list[int]]:
-        """The chosen lookups cut to what pays for the step as a whole
-        (:func:`vllm_selfspec.control.source_choice.lookup_lengths_for_the_step`). A lookup
-        taken in place of a layer-skip budget stays (that request drafts either way); the
-        lookups of requests that would otherwise not draft are weighed token by token.
-        ``landing``: each chosen lookup's landing probabilities, one per draft token."""
-        others = StepDrafts()
-        weighed: list[str] = []
-        for req_id, budget in zip(req_ids, budgets, strict=True):
-            tokens = chosen.get(req_id)
-            if tokens is not None:
-                if budget <= 0:
-                    weighed.append(req_id)
-                    continue
-                expected = 1.0 + sum(landing[req_id])
-                drafts, pass_len = len(tokens), 0
-            elif budget > 0:
-                expected = expected_tokens(self.controller.request_acceptance(req_id), budget)
-                drafts, pass_len = budget, budget
-            else:
-                continue
-            others = StepDrafts(others.tokens + expected - 1.0, others.drafts + drafts,
-                                max(others.pass_len, pass_len))
-        if not weighed:
-            return chosen
-        batch = len(req_ids)
-        lengths = lookup_lengths_for_the_step(
-            batch_size=batch,
-            lookups=[landing[r] for r in weighed],
-            others=others,
-            verify_cost=lambda x: self._verify_price(batch, x),
-            draft_cost=draft_cost,
-            min_gain=LOOKUP_MIN_GAIN,
-        )
-        out = dict(chosen)
-        for req_id, n in zip(weighed, lengths, strict=True):
-            if n > 0:
-                out[req_id] = chosen[req_id][:n]
-            else:
-                del out[req_id]
-                self.counters["lookup_step_declined"] += 1
-        return out
 
     def _sample_from_logits(self, logits: torch.Tensor, sampling_metadata: Any) -> Any:
         """vLLM's draft sampling, from the distribution the request samples from: the
