@@ -12,8 +12,14 @@ On every alive node it runs a small Ray task (pinned to that node, no CPU reserv
 * the installed ``vllm-selfspec`` version (must equal the one on this machine: the front end
   validates the configuration, the workers run the drafter, and they must agree);
 * whether vLLM's plugin loader sees the ``vllm.general_plugins`` entry point
-  ``vllm_selfspec:register`` (without it the workers do not load the plugin and the engine fails
-  with "SelfSpecProposer got no selfspec settings");
+  ``vllm_selfspec:register``. Without it that node's workers do not load the plugin, and nothing
+  says so: the front end has already turned the engine into vLLM's ``draft_model`` method with
+  the target as its own draft, so those workers build vLLM's own draft-model proposer, which loads
+  the model a second time and skips no layer (on CUDA on vLLM's V2 model runner, which the plugin
+  would have ruled out), while the ranks that have the plugin run selfspec's drafter. The TP
+  ranks then disagree (draft model, KV-cache layers, the drafter's collective): by a reading of
+  the code, not tried, the engine runs out of memory, fails inside vLLM or hangs, with no message
+  naming selfspec;
 * the vLLM version and whether this vllm-selfspec supports it, and the same for all nodes;
 * optionally (``--profile``) that the named shipped profile loads there;
 * optionally (``--load-plugin``) that ``vllm.plugins.load_general_plugins()`` installs the plugin's

@@ -1,4 +1,5 @@
-"""Faults for the negative controls of ``tests/test_serve.py``: run pytest with this folder on
+"""Faults for the negative controls of the tests (``tests/test_serve.py``,
+``tests/test_check.py``): run pytest with this folder on
 ``PYTHONPATH`` and ``SELFSPEC_INJECT_FAULT`` set, and every process the tests start (API servers,
 engine cores, workers) injects the fault when the patched module is first imported:
 
@@ -6,6 +7,9 @@ engine cores, workers) injects the fault when the patched module is first import
   a quarter GiB per load burst; ``test_load_burst`` must fail.
 * ``no_abort``: the API server never aborts a request, so the streams a client closes run to the
   end; ``test_disconnected_streams_are_aborted`` must fail.
+* ``wrong_token``: every runner that builds a selfspec drafter changes the first token it samples
+  in each row of every step (``t -> t - 1``, 0 -> 1), plain sampling and rejection sampling
+  alike; plain engines are untouched. ``python -m vllm_selfspec.check`` must report FAIL.
 
 Nothing here is part of the package, and production code has no switch for these faults.
 
@@ -27,10 +31,10 @@ LEAK_BYTES = 4 << 20
 def _leak(module: Any) -> None:
     import numpy as np
 
-    cls = module.SelfSpecProposer
-    original = cls.propose
+    cls = module.SelfSpecDeviceProposer
+    original = cls._begin_step  # every engine step of the drafter starts here
 
-    def propose(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def _begin_step(self: Any, *args: Any, **kwargs: Any) -> Any:
         seen = self.__dict__.setdefault("_fault_seen", set())
         held = self.__dict__.setdefault("_fault_held", [])
         for req_id in self.runner_view.req_ids:
@@ -39,7 +43,7 @@ def _leak(module: Any) -> None:
                 held.append(np.ones(LEAK_BYTES // 8))  # touched pages: resident memory
         return original(self, *args, **kwargs)
 
-    cls.propose = propose
+    cls._begin_step = _begin_step
 
 
 def _no_abort(module: Any) -> None:
@@ -49,8 +53,30 @@ def _no_abort(module: Any) -> None:
     module.AsyncLLM.abort = abort
 
 
-PATCHES = {"leak": ("vllm_selfspec.drafting.host_drafter", _leak),
-           "no_abort": ("vllm.v1.engine.async_llm", _no_abort)}
+def _wrong_token(module: Any) -> None:
+    import torch
+
+    cls = module.SelfSpecDeviceProposer
+    original = cls.__init__
+
+    def __init__(self: Any, *args: Any, runner: Any = None, **kwargs: Any) -> None:
+        original(self, *args, runner=runner, **kwargs)
+        sample = runner._sample
+
+        def _sample(*a: Any, **kw: Any) -> Any:
+            out = sample(*a, **kw)
+            first = out.sampled_token_ids[:, 0]
+            first.copy_(torch.where(first > 0, first - 1, first + 1))
+            return out
+
+        runner._sample = _sample  # this runner only: the instance, not the class
+
+    cls.__init__ = __init__
+
+
+PATCHES = {"leak": ("vllm_selfspec.drafting.device_drafter", _leak),
+           "no_abort": ("vllm.v1.engine.async_llm", _no_abort),
+           "wrong_token": ("vllm_selfspec.drafting.device_drafter", _wrong_token)}
 
 
 class _PatchAfterImport(importlib.abc.MetaPathFinder):
