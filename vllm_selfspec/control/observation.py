@@ -1,6 +1,6 @@
 """What one engine step showed a drafter, the same on every tensor-parallel rank.
 
-Both drafters build one :class:`StepObservation` per step, after the verification of their
+The drafter builds one :class:`StepObservation` per step, after the verification of its
 previous drafts and before the next draft round, and hand it to the draft-length controller
 (:meth:`~vllm_selfspec.control.controller.DraftLengthController.observe`) and to online layer
 selection. Everything in it is identical across TP ranks: the rows and the verified counts follow

@@ -1,7 +1,7 @@
 """Hands the draft-length controller the measured step costs, identical on every TP rank.
 
-Both drafters measure step costs on their own worker (:class:`~vllm_selfspec.control.step_costs.
-StepCostRecorder`) and plan with a :class:`~vllm_selfspec.control.step_costs.StepCosts` snapshot.
+The drafter measures step costs on its own worker (:class:`~vllm_selfspec.control.step_costs.
+StepCostRecorder`) and plans with a :class:`~vllm_selfspec.control.step_costs.StepCosts` snapshot.
 Every tensor-parallel rank must take the same decisions (a draft pass is a collective), so the table
 the controller gets is rank 0's, broadcast to the others, as soon as the recorder gains an entry
 (what a plan at a new batch size waits for; the event is the same on every rank, whose sample

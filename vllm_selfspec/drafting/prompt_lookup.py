@@ -1,4 +1,4 @@
-"""Prompt-lookup drafts for the device drafter: vLLM's n-gram matcher over each request's tokens.
+"""Prompt-lookup drafts for the drafter: vLLM's n-gram matcher over each request's tokens.
 
 The matcher is vLLM's own (``vllm.v1.spec_decode.ngram_proposer.batch_propose_numba``, the
 ``ngram`` method's kernel: the longest suffix n-gram of ``prompt_lookup_min..max`` tokens that
@@ -7,8 +7,9 @@ occurred before, and up to ``k`` tokens that followed its latest earlier occurre
 drafter plans before the bookkeeping, so the tokens sampled this step are not in that table yet.
 :meth:`PromptLookup.find` matches on a copy of the table's rows with them appended.
 
-CPU only, like the kernel: on the CPU platform the sampled tokens are host memory, and reading
-them is no device sync.
+The kernel runs on the host, like vLLM's ``ngram``: on the CPU platform the sampled tokens are
+host memory; on CUDA reading them is one device-to-host copy per step, which vLLM's synchronous
+scheduling makes anyway for the step's bookkeeping.
 """
 
 from __future__ import annotations

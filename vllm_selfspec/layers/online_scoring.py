@@ -82,7 +82,7 @@ def sublayer_costs(target: torch.nn.Module, layers: Any, overhead: float = 0.1) 
 
 
 class OnlineSelector:
-    """Online layer selection for a drafter (either one) with ``layer_selection="online"``.
+    """Online layer selection for the drafter with ``layer_selection="online"``.
 
     The drafter calls :meth:`attach` once it has the target, then :meth:`step` once per engine
     step between the verification of its drafts and its next draft round; both return the skip

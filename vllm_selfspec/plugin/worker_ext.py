@@ -16,7 +16,7 @@ from vllm_selfspec.control.observation import SourceTotals
 
 
 def _drafter(worker: Any) -> Any:
-    """The worker's selfspec drafter (either kind: both keep :class:`SourceTotals`), or None."""
+    """The worker's selfspec drafter (it keeps :class:`SourceTotals`), or None."""
     drafter = getattr(getattr(worker, "model_runner", None), "drafter", None)
     return drafter if isinstance(getattr(drafter, "source_totals", None), SourceTotals) else None
 

@@ -9,8 +9,8 @@ per-instance patches of selfspec runners.
    killed the engine core). Can go once vLLM decides per request near ``max_model_len``, and
    once its CPU runner stops rewinding CPU generators by a Philox offset.
 8. ``GPUModelRunner.__init__`` (worker processes; installed lazily by an import hook when
-   ``vllm.v1.worker.gpu_model_runner`` is first imported): a selfspec engine with
-   ``"drafter": "device"`` runs as vLLM's ``draft_model`` method with the target as the draft
+   ``vllm.v1.worker.gpu_model_runner`` is first imported): a selfspec engine runs as vLLM's
+   ``draft_model`` method with the target as the draft
    model, and vLLM's runner would build a ``DraftModelProposer`` that loads a second copy of the
    weights and KV cache. On those engines only, the wrapper delegates with the runner module's
    ``DraftModelProposer`` name pointing to
@@ -181,8 +181,8 @@ def _patch_runner_init(module: Any) -> None:
 
 
 def install_worker_source_totals() -> None:
-    """Patch 10: ``WorkerWrapperBase.selfspec_source_totals`` (idempotent; called by both
-    drafters, in the worker process, where vLLM's worker module is imported already)."""
+    """Patch 10: ``WorkerWrapperBase.selfspec_source_totals`` (idempotent; called when the
+    drafter is built, in the worker process, where vLLM's worker module is imported already)."""
     from vllm.v1.worker.worker_base import WorkerWrapperBase
 
     from vllm_selfspec.plugin.worker_ext import source_totals
@@ -249,7 +249,7 @@ def rejected_from_sampled(sampled_token_ids: Any, num_draft_tokens: Any) -> torc
 def patch_runner_propose_without_drafts(
     runner: Any, plan_step: Any, see_sampled: Callable[[Any], None] | None = None
 ) -> None:
-    """Instance wrap of ``runner.propose_draft_token_ids`` (device drafter, CPU).
+    """Instance wrap of ``runner.propose_draft_token_ids`` (selfspec runners).
 
     Before it calls the drafter, vLLM's runner prepares the draft pass's inputs on every step:
     the next tokens and rejected counts (``prepare_next_token_ids_padded``,
@@ -261,12 +261,13 @@ def patch_runner_propose_without_drafts(
     first; it returns the (empty) drafts when no pass runs, else ``None`` and the wrapper
     delegates. ``num_rejected``, the drafts each request had rejected this step (``None`` on a
     step that verified none), is counted here from the sampled tokens as vLLM's preparation
-    counts it (``drafted + 1 - valid sampled`` for a row with drafts, else 0): on the CPU
-    platform they are host memory. Runners that copy sampled-token counts to the host for the
-    next step (``valid_sampled_token_count_event``, CUDA) always delegate: there the count would
-    be a device sync. ``see_sampled`` gets every step's sampled tokens first (vLLM hands them
-    to the runner's method, not to the drafter's ``propose``): the prompt-lookup source matches
-    n-grams that end in them.
+    counts it (``drafted + 1 - valid sampled`` for a row with drafts, else 0), on the device
+    the sampled tokens are on (host memory on CPU; the drafter reads the counts once per step,
+    as vLLM's synchronous scheduling reads the sampled tokens anyway). Runners that copy
+    sampled-token counts to the host for the next step (``valid_sampled_token_count_event``:
+    async scheduling, which selfspec engines run without) always delegate. ``see_sampled`` gets
+    every step's sampled tokens first (vLLM hands them to the runner's method, not to the
+    drafter's ``propose``): the prompt-lookup source matches n-grams that end in them.
     """
     original = runner.propose_draft_token_ids
     if already_wrapped(original):
