@@ -180,7 +180,9 @@ def test_compiles_the_set_it_settles_on():
     throughout, and the compiled draft of the zero-output layers has every draft accepted."""
     with engine(_zero_model(), enforce_eager=False) as plain:
         expected = _greedy(plain)
-    with engine(_zero_model(), _spec(), enforce_eager=False) as llm:
+    # k fixed: with measured costs the adaptive controller may find that drafting does not pay
+    # on this tiny model, and the chosen set's compiled draft would not run
+    with engine(_zero_model(), {**_spec(), "adaptive": False}, enforce_eager=False) as llm:
         for _ in range(6):
             assert _greedy(llm) == expected
             [stats] = drafter_stats(llm)
