@@ -215,7 +215,7 @@ def drafter_costs(drafter: Mapping[str, Any], batch: int,
     """``(one draft forward over the batch, a step verifying k drafts per request)`` in seconds,
     from the drafter's cost table at the cell's batch-size bucket; records without the table (or
     without that bucket) fall back to the figures the drafter gave for its latest step."""
-    table = drafter.get("cost_table") or {}
+    table = drafter.get("cost_table_s") or drafter.get("cost_table") or {}  # the latter: older
     b = bucket(batch)  # as the drafter keys its cost table
     draft_s = (table.get("draft") or {}).get(str(b))
     verify_s = (table.get("verify") or {}).get(f"{b}:{k:g}") if k else None

@@ -691,6 +691,12 @@ class SelfSpecDeviceProposer(DraftModelProposer):
             ),
             "draft_cost_s": float(costs.draft_cost(batch, batch)) if costs.draft else None,
             "plain_step_s": costs.plain_cost(batch) if costs.has_plain(batch) else None,
+            # the measured table: "bucket:x" -> a step verifying x drafts per request, "bucket"
+            # -> one draft forward (seconds, this worker's: "_s" keys differ across TP ranks)
+            "cost_table_s": {
+                "verify": {f"{b}:{x:g}": c for (b, x), c in sorted(costs.verify.items())},
+                "draft": {str(b): c for b, c in sorted(costs.draft.items())},
+            },
             "k_max": self.k_max,
             "skip_attention": sorted(self.model.skip_attention),
             "skip_mlp": sorted(self.model.skip_mlp),
