@@ -74,12 +74,15 @@ def test_check_passes_in_default_mode(model_dir, tmp_path):
     assert result["dtype"] == "float32", result
     assert result["outputs_compared"] == result["outputs_identical"] == COMPARED, result
     assert result["num_draft_tokens"] > 0 and result["acceptance_rate"] > 0.5, result
-    assert result["by_source"]["layer_skip"]["num_draft_tokens"] == result["num_draft_tokens"]
+    # hybrid drafts (the default): the split by source adds up to vLLM's counters
+    by_source = result["by_source"]
+    assert sum(c["num_draft_tokens"] for c in by_source.values()) == result["num_draft_tokens"]
+    assert by_source["layer_skip"]["num_draft_tokens"] > 0, result
     assert result["draft_cost_s"] is not None and result["draft_cost_s"] > 0, result
     assert result["plain_tokens_per_s"] > 0 and result["selfspec_tokens_per_s"] > 0, result
     assert f"outputs identical   : {COMPARED}/{COMPARED}" in log, tail
     for line in ("acceptance rate", "mean accepted length", "draft cost ratio",
-                 "tokens/s ratio", "drafts by source    : layer_skip 100%"):  # fmt: skip
+                 "tokens/s ratio", "drafts by source    : "):  # fmt: skip
         assert line in log, (line, tail)
     assert "Enforce eager" not in log, tail  # vLLM's default mode, not eager
 
