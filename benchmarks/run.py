@@ -237,8 +237,8 @@ def build_suite(name: str) -> Suite:
             Group("zero", [Method("selfspec layer skip, k = 6", spec=_selfspec(
                 True, drafts="layer_skip", num_speculative_tokens=6), batches=(1, 8))],
                   label="(b) SmolLM2 with 30 zero-output layers, skipped", weight=1.5),
-            Group(QWEN_CODER, [Method("selfspec, no profile", spec=_selfspec(True),
-                                      online_cold_start=True, batches=(16, 32))],
+            Group(QWEN_CODER, [Method("selfspec, no profile", spec=_selfspec(
+                True, layer_selection="online"), online_cold_start=True, batches=(16, 32))],
                   label="(c) Qwen2.5-Coder-0.5B, shipped profile withheld", weight=2.5),
         ]
         return Suite(name=name, groups=groups, datasets=["mixed"], temperatures=[0.0],
